@@ -1,0 +1,44 @@
+"""The ``kimi`` AttnRes op family: registrations, CPU path, Triton kernel, reference.
+
+Importing this package registers ``torch.ops.kimi.{attn_res, attn_res_capture,
+attn_res_mix, aux_tap}``.
+"""
+
+from .library import attn_res, attn_res_capture, attn_res_mix, aux_tap_op
+from .reference import attn_res_mix_reference, attn_res_reference
+from .validate import AttnResArgumentError
+
+
+def attn_res_triton(*args, **kwargs):
+    """Launch the Triton ``attn_res`` kernel on the tensors' device (CPU needs TRITON_INTERPRET=1)."""
+    from .triton_kernels import attn_res_triton as impl
+
+    return impl(*args, **kwargs)
+
+
+def attn_res_capture_triton(*args, **kwargs):
+    """Triton ``attn_res_capture``: returns ``(out, mixed)``."""
+    from .triton_kernels import attn_res_capture_triton as impl
+
+    return impl(*args, **kwargs)
+
+
+def attn_res_mix_triton(*args, **kwargs):
+    """Triton ``attn_res_mix``: the pure pre-norm mixture."""
+    from .triton_kernels import attn_res_mix_triton as impl
+
+    return impl(*args, **kwargs)
+
+
+__all__ = [
+    "AttnResArgumentError",
+    "attn_res",
+    "attn_res_capture",
+    "attn_res_capture_triton",
+    "attn_res_mix",
+    "attn_res_mix_reference",
+    "attn_res_mix_triton",
+    "attn_res_reference",
+    "attn_res_triton",
+    "aux_tap_op",
+]

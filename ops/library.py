@@ -1,0 +1,138 @@
+"""``torch.library`` registrations of the ``kimi`` op family.
+
+All are opaque ``custom_op``s (not ``triton_op``): AOTAutograd keeps each one a
+single node, so the passes can find ``kimi.attn_res`` in post-grad graphs. The
+CPU kernel is the eager path in ``cpu.py``; CUDA dispatches to the Triton
+kernel. Fake kernels run the same validation, so a bad model fails at compile
+time.
+
+- ``attn_res``: DESIGN section 3; mutates ``prefix`` (delta) and ``blocks`` (write).
+- ``attn_res_capture``: the same, also returning the pre-norm mixture. The
+  aux-stream pass swaps a tap's consumer to it, so a tap costs one ``[T,H]`` write.
+- ``attn_res_mix``: the pure pre-norm mixture, no mutation.
+- ``aux_tap``: the tap marker; the aux-stream pass removes every one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cpu import attn_res_cpu, mix_cpu
+from .validate import validate_mix, validate_sources, validate_tap
+
+_MUTATED = ("prefix", "blocks")
+
+
+@torch.library.custom_op("kimi::attn_res", mutates_args=_MUTATED, device_types="cpu")
+def attn_res(
+    prefix: torch.Tensor,
+    delta: torch.Tensor | None,
+    blocks: torch.Tensor,
+    norm_weight: torch.Tensor,
+    qk_weight: torch.Tensor,
+    output_norm_weight: torch.Tensor | None,
+    num_blocks: int,
+    block_write_idx: int,
+    eps: float,
+    output_norm_eps: float,
+) -> torch.Tensor:
+    args = (prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
+            num_blocks, block_write_idx, eps, output_norm_eps)
+    validate_sources(*args)
+    return attn_res_cpu(*args)[0]
+
+
+@torch.library.custom_op("kimi::attn_res_capture", mutates_args=_MUTATED, device_types="cpu")
+def attn_res_capture(
+    prefix: torch.Tensor,
+    delta: torch.Tensor | None,
+    blocks: torch.Tensor,
+    norm_weight: torch.Tensor,
+    qk_weight: torch.Tensor,
+    output_norm_weight: torch.Tensor | None,
+    num_blocks: int,
+    block_write_idx: int,
+    eps: float,
+    output_norm_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    args = (prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
+            num_blocks, block_write_idx, eps, output_norm_eps)
+    validate_sources(*args)
+    out, mixed = attn_res_cpu(*args)
+    if out is mixed:  # no output norm: the two outputs may not alias
+        mixed = mixed.clone()
+    return out, mixed
+
+
+@torch.library.custom_op("kimi::attn_res_mix", mutates_args=(), device_types="cpu")
+def attn_res_mix(
+    prefix: torch.Tensor,
+    blocks: torch.Tensor,
+    norm_weight: torch.Tensor,
+    qk_weight: torch.Tensor,
+    num_blocks: int,
+    eps: float,
+) -> torch.Tensor:
+    validate_mix(prefix, blocks, norm_weight, qk_weight, num_blocks, eps)
+    mixed = mix_cpu(prefix, blocks, norm_weight, qk_weight, num_blocks, eps).to(prefix.dtype)
+    return mixed.clone() if mixed is prefix else mixed
+
+
+@torch.library.custom_op("kimi::aux_tap", mutates_args=())
+def aux_tap_op(x: torch.Tensor, capture_id: int) -> torch.Tensor:
+    validate_tap(x, capture_id)
+    # An op may not return its input; under kimi_backend this node never runs.
+    return x.clone()
+
+
+@attn_res.register_fake
+def _attn_res_fake(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
+                   num_blocks, block_write_idx, eps, output_norm_eps):
+    validate_sources(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
+                     num_blocks, block_write_idx, eps, output_norm_eps)
+    return torch.empty_like(prefix)
+
+
+@attn_res_capture.register_fake
+def _attn_res_capture_fake(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
+                           num_blocks, block_write_idx, eps, output_norm_eps):
+    validate_sources(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
+                     num_blocks, block_write_idx, eps, output_norm_eps)
+    return torch.empty_like(prefix), torch.empty_like(prefix)
+
+
+@attn_res_mix.register_fake
+def _attn_res_mix_fake(prefix, blocks, norm_weight, qk_weight, num_blocks, eps):
+    validate_mix(prefix, blocks, norm_weight, qk_weight, num_blocks, eps)
+    return torch.empty_like(prefix)
+
+
+@aux_tap_op.register_fake
+def _aux_tap_fake(x, capture_id):
+    validate_tap(x, capture_id)
+    return torch.empty_like(x)
+
+
+def _register_cuda() -> None:
+    """CUDA dispatches to the Triton kernel (imported lazily: triton is Linux-only)."""
+
+    @attn_res.register_kernel("cuda")
+    def _attn_res_cuda(*args):
+        from .triton_kernels import attn_res_triton
+
+        return attn_res_triton(*args)
+
+    @attn_res_capture.register_kernel("cuda")
+    def _attn_res_capture_cuda(*args):
+        from .triton_kernels import attn_res_capture_triton
+
+        return attn_res_capture_triton(*args)
+
+    @attn_res_mix.register_kernel("cuda")
+    def _attn_res_mix_cuda(*args):
+        from .triton_kernels import attn_res_mix_triton
+
+        return attn_res_mix_triton(*args)
+
+
+_register_cuda()

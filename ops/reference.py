@@ -1,0 +1,49 @@
+"""The plain-torch statement of the AttnRes op (DESIGN section 3).
+
+This is the specification the kernels are tested against, written as the design
+brief states it: concatenate the sources, RMSNorm the keys, dot with the
+pseudo-query, softmax over depth, weighted sum. It copies the bank on purpose;
+it is a reference, not a fast path. Math runs in fp32 and casts at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def attn_res_mix_reference(prefix, blocks, norm_weight, qk_weight, num_blocks, eps):
+    """Pre-norm mixture of ``blocks[:, :num_blocks]`` and ``prefix``, in fp32."""
+    H = prefix.shape[-1]
+    values = torch.cat([blocks[:, :num_blocks], prefix[:, None]], dim=1).float()
+    keys = F.rms_norm(values, (H,), norm_weight.float(), eps)
+    p = (keys @ qk_weight.float()).softmax(-1)
+    return (p[:, None] @ values)[:, 0]
+
+
+def attn_res_reference(
+    prefix,
+    delta,
+    blocks,
+    norm_weight,
+    qk_weight,
+    output_norm_weight,
+    num_blocks,
+    block_write_idx,
+    eps,
+    output_norm_eps,
+    *,
+    return_mix: bool = False,
+):
+    """Reference for ``kimi::attn_res`` with its in-place effects on prefix and blocks."""
+    if delta is not None:
+        prefix.copy_((prefix.float() + delta.float()).to(prefix.dtype))
+    if block_write_idx >= 0:
+        blocks[:, block_write_idx] = prefix
+    mixed = attn_res_mix_reference(prefix, blocks, norm_weight, qk_weight, num_blocks, eps)
+    out = mixed
+    if output_norm_weight is not None:
+        out = F.rms_norm(mixed, (mixed.shape[-1],), output_norm_weight.float(), output_norm_eps)
+    if return_mix:
+        return out.to(prefix.dtype), mixed.to(prefix.dtype)
+    return out.to(prefix.dtype)

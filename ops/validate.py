@@ -1,0 +1,113 @@
+"""Argument checks shared by every path of the AttnRes ops (eager, Triton, fake).
+
+The fake kernels run the same checks, so a malformed model fails when it is
+compiled, not when it is served.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class AttnResArgumentError(ValueError):
+    """An AttnRes op was called with arguments that break its contract."""
+
+
+def _fail(msg: str) -> None:
+    raise AttnResArgumentError(msg)
+
+
+def _check_rank(name: str, t: torch.Tensor, rank: int, layout: str) -> None:
+    if t.dim() != rank:
+        _fail(
+            f"kimi attn_res: {name} must be {rank}-D {layout}, got shape "
+            f"{tuple(t.shape)} ({t.dim()}-D)"
+        )
+
+
+def validate_sources(
+    prefix: torch.Tensor,
+    delta: torch.Tensor | None,
+    blocks: torch.Tensor,
+    norm_weight: torch.Tensor,
+    qk_weight: torch.Tensor,
+    output_norm_weight: torch.Tensor | None,
+    num_blocks: int,
+    block_write_idx: int,
+    eps: float,
+    output_norm_eps: float,
+) -> None:
+    """Check ranks, shapes, dtypes, devices and index ranges; raise naming the culprit."""
+    _check_rank("prefix", prefix, 2, "[T, H]")
+    if delta is not None:
+        _check_rank("delta", delta, 2, "[T, H]")
+    _check_rank("blocks", blocks, 3, "[T, NB, H]")
+    weights = [("norm_weight", norm_weight), ("qk_weight", qk_weight)]
+    if output_norm_weight is not None:
+        weights.append(("output_norm_weight", output_norm_weight))
+    for name, w in weights:
+        _check_rank(name, w, 1, "[H]")
+
+    T, H = prefix.shape
+    if prefix.dtype not in SUPPORTED_DTYPES:
+        _fail(
+            f"kimi attn_res: prefix dtype {prefix.dtype} is not supported; "
+            f"use one of {[str(d) for d in SUPPORTED_DTYPES]}"
+        )
+    others = [("blocks", blocks)] + weights
+    if delta is not None:
+        others.insert(0, ("delta", delta))
+    for name, t in others:
+        if t.dtype != prefix.dtype:
+            _fail(
+                f"kimi attn_res: {name} dtype {t.dtype} differs from prefix dtype "
+                f"{prefix.dtype}; cast every tensor to one dtype"
+            )
+        if t.device != prefix.device:
+            _fail(
+                f"kimi attn_res: {name} is on {t.device} but prefix is on "
+                f"{prefix.device}; move every tensor to one device"
+            )
+        if t.shape[-1] != H:
+            _fail(
+                f"kimi attn_res: hidden size mismatch: {name} has H={t.shape[-1]} "
+                f"(shape {tuple(t.shape)}) but prefix has H={H}"
+            )
+    for name, t in (("delta", delta), ("blocks", blocks)):
+        if t is not None and t.shape[0] != T:
+            _fail(
+                f"kimi attn_res: token count mismatch: {name} has T={t.shape[0]} "
+                f"(shape {tuple(t.shape)}) but prefix has T={T}"
+            )
+    nb_total = blocks.shape[1]
+    if not 0 <= num_blocks <= nb_total:
+        _fail(
+            f"kimi attn_res: num_blocks={num_blocks} is outside [0, {nb_total}] "
+            f"(blocks has NB={nb_total} slots)"
+        )
+    if not -1 <= block_write_idx < nb_total:
+        _fail(
+            f"kimi attn_res: block_write_idx={block_write_idx} is outside "
+            f"[-1, {nb_total}) (blocks has NB={nb_total} slots; -1 means no write)"
+        )
+    for name, value in (("eps", eps), ("output_norm_eps", output_norm_eps)):
+        if not value >= 0.0:
+            _fail(f"kimi attn_res: {name}={value} must be a non-negative float")
+
+
+def validate_mix(prefix, blocks, norm_weight, qk_weight, num_blocks, eps) -> None:
+    validate_sources(prefix, None, blocks, norm_weight, qk_weight, None, num_blocks, -1, eps, 0.0)
+
+
+def validate_tap(x: torch.Tensor, capture_id: int) -> None:
+    if isinstance(capture_id, bool) or not isinstance(capture_id, int) or capture_id < 0:
+        raise AttnResArgumentError(
+            f"kimi aux_tap: capture_id must be a non-negative int (vLLM capture id: "
+            f"what layer k reads), got {capture_id!r}"
+        )
+    if x.dim() < 1:
+        raise AttnResArgumentError(
+            f"kimi aux_tap: x must be a hidden-state tensor [..., H], got a 0-D tensor"
+        )
