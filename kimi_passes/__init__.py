@@ -1,7 +1,25 @@
-"""kimi_passes: torch.compile ops and Inductor passes for Kimi K3 Attention Residuals."""
+"""kimi_passes: torch.compile ops and Inductor passes for Kimi K3 Attention Residuals.
+
+    model = torch.compile(model, backend=kimi_passes.kimi_backend)
+
+compiles a K3 graph so that every ``aux_tap`` reads the pre-norm AttnRes
+mixture its consumer layer reads (see ``AuxStreamPass``).
+"""
 
 from kimi_passes import ops  # noqa: F401  (registers torch.ops.kimi.*)
+from kimi_passes.aux_stream import AuxStreamPass
+from kimi_passes.backend import KimiBackend, kimi_backend, make_kimi_backend, register
 from kimi_passes.errors import AuxCaptureError
 from kimi_passes.tap import aux_tap
 
-__all__ = ["AuxCaptureError", "aux_tap", "ops"]
+register()
+
+__all__ = [
+    "AuxCaptureError",
+    "AuxStreamPass",
+    "KimiBackend",
+    "aux_tap",
+    "kimi_backend",
+    "make_kimi_backend",
+    "ops",
+]

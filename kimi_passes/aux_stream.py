@@ -1,0 +1,292 @@
+"""AuxStreamPass: every aux tap reads the pre-norm AttnRes mixture its consumer reads.
+
+Invariant after the pass: no ``kimi.aux_tap`` node is left. In ``"attn_res"``
+stream each tap's users read exactly the mixture that its consumer (the AttnRes
+call that mixes against the tap's value) computes before its output norm; in
+``"prefix"`` stream they read the tap's input, the legacy running prefix.
+
+Before (one K3 layer, capture id 3)::
+
+    x = add(prefix, pending)
+    tap = kimi.aux_tap(x, 3)
+    af = auto_functionalized_v2(kimi.attn_res, delta=pending, ..., _all_bases=[prefix, bank])
+    out, prefix', bank' = af[0], af[1], af[2]
+
+After, fused (the consumer has an output norm, so its kernel already reads every
+source; it emits the mixture as a second output, one extra [T,H] write)::
+
+    af = auto_functionalized_v2(kimi.attn_res_capture, delta=pending, ...,
+                                _all_bases=[prefix, bank])
+    out, tap, prefix', bank' = af[0], af[1], af[2], af[3]
+
+A consumer without an output norm (the output aggregation) already returns the
+mixture: the tap reads ``af[0]``. With ``fuse=False`` the tap is a separate
+``kimi.attn_res_mix`` over the consumer's updated prefix and bank, the way vLLM
+captures it (a second read of the bank; for A/B and benchmarks).
+
+Refused with ``AuxCaptureError`` (at compile time, never a silent fallback): a
+tap with no consumer in the graph (the end of a non-final pipeline stage), a
+consumer whose layer or ``num_blocks`` contradicts the capture id, two taps
+claiming one id, and markers in a graph with no AttnRes op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
+from torch.fx import Node
+
+from kimi_passes.consumer import (
+    AUX_TAP,
+    AttnResCall,
+    attn_res_calls,
+    find_consumers,
+    mix_nodes,
+)
+from kimi_passes.errors import AuxCaptureError
+from kimi_passes.inductor_pass import KimiGraphPass, logger
+
+STREAMS = ("attn_res", "prefix")
+
+kimi = torch.ops.kimi
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class TapRewrite:
+    """What the pass did for one tap (also what the compile log reports)."""
+
+    capture_id: int
+    consumer: str
+    stream: str
+    #: attn_res stream: read out of the consumer's own kernel (no second read of the
+    #: bank). None in prefix stream, where nothing is mixed.
+    fused: bool | None
+
+    def how(self) -> str:
+        if self.fused is None:
+            return "running prefix"
+        return "fused" if self.fused else "separate attn_res_mix read"
+
+
+class AuxStreamPass(KimiGraphPass):
+    """Rewrite ``kimi.aux_tap`` markers to the stream a drafter was trained on."""
+
+    index = 1
+
+    def __init__(self, stream: str = "attn_res", fuse: bool = True):
+        if stream not in STREAMS:
+            raise ValueError(
+                f"AuxStreamPass: unknown stream {stream!r}; use one of {list(STREAMS)}"
+            )
+        self.stream = stream
+        self.fuse = fuse
+        #: Rewrites made by the last call (for tests, tools and the main job).
+        self.last_rewrites: list[TapRewrite] = []
+
+    def options(self) -> dict:
+        return {"stream": self.stream, "fuse": self.fuse}
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        taps = [n for n in graph.nodes if n.op == "call_function" and n.target is AUX_TAP]
+        self.last_rewrites = []
+        if not taps:
+            return
+        self.dump(graph, "before")
+        geometry = _Geometry.of(graph)
+        _check_unique_ids(taps, geometry)
+        rewrites = [self._rewrite(graph, tap, geometry) for tap in taps]
+        graph.eliminate_dead_code()
+        self.last_rewrites = rewrites
+        self.dump(graph, "after")
+        logger.info(
+            "AuxStreamPass(stream=%s): rewrote %d tap(s): %s",
+            self.stream,
+            len(rewrites),
+            "; ".join(
+                f"id {r.capture_id} <- {r.consumer} ({r.how()})"
+                for r in rewrites
+            ),
+        )
+        for r in rewrites:
+            if r.fused is False:
+                logger.info(
+                    "AuxStreamPass: capture id %d is a separate attn_res_mix read of the "
+                    "bank (nothing to fuse it into)", r.capture_id
+                )
+
+    def _rewrite(self, graph: torch.fx.Graph, tap: Node, geometry: _Geometry) -> TapRewrite:
+        value, capture_id = tap.args
+        consumer = _find_consumer(graph, tap, geometry)
+        if self.stream == "prefix":
+            new, fused = value, None
+        elif isinstance(consumer, Node):  # an attn_res_mix already reads it
+            new, fused = consumer, True
+        else:
+            new, fused = self._mixture(graph, consumer)
+        tap.replace_all_uses_with(new)
+        graph.erase_node(tap)
+        where = consumer.describe() if isinstance(consumer, AttnResCall) else consumer.name
+        return TapRewrite(capture_id, where, self.stream, fused)
+
+    def _mixture(self, graph: torch.fx.Graph, call: AttnResCall) -> tuple[Node, bool]:
+        """A node holding ``call``'s pre-norm mixture, and whether it came fused."""
+        if call.op is kimi.attn_res_capture.default:
+            return call.getitem(1), True
+        if not call.has_output_norm and self.fuse:
+            return call.getitem(0), True
+        if self.fuse:
+            return _to_capture(graph, call).getitem(1), True
+        prefix = call.getitem(call.output_index("prefix"))
+        blocks = call.getitem(call.output_index("blocks"))
+        with graph.inserting_after(max(prefix, blocks, key=_position)):
+            mix = graph.call_function(
+                kimi.attn_res_mix.default,
+                (prefix, blocks, call.arg("norm_weight"), call.arg("qk_weight"),
+                 call.arg("num_blocks"), call.arg("eps")),
+            )
+        mix.meta["val"] = torch.empty_like(prefix.meta["val"])
+        mix.meta.update({k: v for k, v in call.node.meta.items() if k == "nn_module_stack"})
+        return mix, False
+
+
+def _position(node: Node) -> int:
+    return list(node.graph.nodes).index(node)
+
+
+def _to_capture(graph: torch.fx.Graph, call: AttnResCall) -> AttnResCall:
+    """Swap ``call`` for ``kimi.attn_res_capture``, keeping every reader of its outputs."""
+    old = call.node
+    if old.target is not auto_functionalized_v2:
+        kwargs = dict(old.kwargs)
+        raise AuxCaptureError(
+            "AuxStreamPass: the consumer is an auto_functionalized (v1) node, which this "
+            "pass does not rewrite; enable torch._inductor.config.enable_auto_functionalized_v2 "
+            f"(the default) or use fuse=False. Consumer kwargs: {sorted(kwargs)}"
+        )
+    with graph.inserting_before(old):
+        new = graph.call_function(
+            auto_functionalized_v2, (kimi.attn_res_capture.default,), dict(old.kwargs)
+        )
+    new.meta.update(old.meta)
+    out_val, *bases = old.meta["val"]
+    new.meta["val"] = (out_val, torch.empty_like(out_val), *bases)
+    for user in list(old.users):
+        index = user.args[1]
+        user.args = (new, index if index == 0 else index + 1)
+    graph.erase_node(old)
+    return AttnResCall(new)
+
+
+class _Geometry:
+    """What the graph says about the stage: its layers and the block size S."""
+
+    def __init__(self, calls: list[AttnResCall], has_mix: bool):
+        self.calls = calls
+        self.has_attn_res = bool(calls) or has_mix
+        layers = sorted({c.layer for c in calls if c.layer is not None})
+        self.first_layer = layers[0] if layers else None
+        self.last_layer = layers[-1] if layers else None
+        self.has_output_aggregation = any(c.layer is None for c in calls)
+        # S from a block write past slot 0: layer i writes slot i // S.
+        self.block_size = None
+        for c in calls:
+            w = c.arg("block_write_idx")
+            if c.layer is not None and w is not None and w > 0 and c.layer % w == 0:
+                self.block_size = c.layer // w
+                break
+
+    @classmethod
+    def of(cls, graph: torch.fx.Graph) -> _Geometry:
+        return cls(attn_res_calls(graph), bool(mix_nodes(graph)))
+
+    def stage(self) -> str:
+        if self.first_layer is None:
+            return "a graph whose AttnRes calls carry no layer index"
+        end = self.last_layer + 1
+        kind = "final stage" if self.has_output_aggregation else "non-final stage"
+        return f"pipeline {kind} owning layers [{self.first_layer}, {end})"
+
+    def pre_attention(self, call: AttnResCall) -> bool:
+        """Is ``call`` the first AttnRes call of its layer (the pre-attention mixing)?"""
+        same_layer = [c for c in self.calls if c.layer == call.layer]
+        return same_layer[0].node is call.node
+
+
+def _check_unique_ids(taps: list[Node], geometry: _Geometry) -> None:
+    seen: dict[int, Node] = {}
+    for tap in taps:
+        k = tap.args[1]
+        if k in seen:
+            raise AuxCaptureError(
+                f"capture id {k} is claimed by two aux taps ({seen[k].name} and {tap.name}) "
+                f"in the {geometry.stage()}; each capture id must be tapped once: remove the "
+                "duplicate from the model's aux layer ids"
+            )
+        seen[k] = tap
+
+
+def _find_consumer(graph: torch.fx.Graph, tap: Node, geometry: _Geometry):
+    value, k = tap.args
+    if not geometry.has_attn_res:
+        raise AuxCaptureError(
+            f"capture id {k}: the aux tap marker has no AttnRes op to mix with in this graph "
+            "(no kimi.attn_res / attn_res_mix call); the aux-stream pass only applies to "
+            "AttnRes models: call the mixing through torch.ops.kimi.attn_res, or compile "
+            "with aux_stream='prefix' if the legacy value is what the drafter wants"
+        )
+    found = find_consumers(graph, value)
+    if not found:
+        end = geometry.last_layer + 1 if geometry.last_layer is not None else "?"
+        raise AuxCaptureError(
+            f"capture id {k} has no consumer in this graph ({geometry.stage()}): the layer "
+            f"that reads it lives on the next pipeline stage (the tap at layer {end}). Its "
+            "mixture cannot be computed here and falling back to the running prefix would "
+            "silently feed the drafter a different value. Remedy: drop capture id "
+            f"{k} on this stage and tap it on the stage that owns layer {k} (as its first "
+            "layer's capture id), or compile with aux_stream='prefix' if the drafter was "
+            "trained on the prefix stream"
+        )
+    if len(found) > 1:
+        names = ", ".join(f.describe() if isinstance(f, AttnResCall) else f.name for f in found)
+        raise AuxCaptureError(
+            f"capture id {k}: the tapped value is mixed by {len(found)} AttnRes calls "
+            f"({names}) in the {geometry.stage()}; a tap must have one consumer: tap the "
+            "value right before the layer that reads it"
+        )
+    consumer = found[0]
+    if isinstance(consumer, AttnResCall):
+        _check_consumer(k, consumer, geometry)
+    return consumer
+
+
+def _check_consumer(k: int, call: AttnResCall, geometry: _Geometry) -> None:
+    nb = call.arg("num_blocks")
+    where = geometry.stage()
+    if call.layer is not None and (call.layer != k or not geometry.pre_attention(call)):
+        role = "pre-attention" if geometry.pre_attention(call) else "pre-MLP"
+        raise AuxCaptureError(
+            f"capture id {k} contradicts its consumer: the tapped value is read by layer "
+            f"{call.layer}'s {role} mixing in the {where}, so it is what layer {call.layer} "
+            f"reads, not layer {k}. Remedy: place the tap right before layer {k}'s "
+            f"pre-attention AttnRes call, or use capture id {call.layer}"
+        )
+    if call.layer is None and geometry.last_layer is not None and k != geometry.last_layer + 1:
+        raise AuxCaptureError(
+            f"capture id {k} contradicts its consumer: the tapped value is read by the output "
+            f"aggregation of the {where}, which is capture id {geometry.last_layer + 1}. "
+            "Remedy: tap the output aggregation with capture id num_layers"
+        )
+    S = geometry.block_size
+    if S is not None and nb != cdiv(k, S):
+        raise AuxCaptureError(
+            f"capture id {k} contradicts its consumer {call.describe()} in the {where}: "
+            f"with block size {S}, what layer {k} reads mixes cdiv({k}, {S}) = {cdiv(k, S)} "
+            f"completed blocks, but the consumer mixes num_blocks={nb}. Remedy: pass "
+            f"num_blocks=cdiv(i, block_size) for layer i, or fix the tap's capture id"
+        )

@@ -1,0 +1,97 @@
+"""``kimi_backend``: Inductor with the kimi_passes post-grad passes installed.
+
+    torch.compile(model, backend=kimi_backend)                       # attn_res stream
+    torch.compile(model, backend=make_kimi_backend(aux_stream="prefix"))
+    torch.compile(model, backend="kimi", options={"aux_stream": "prefix"})
+
+Stacks that own their backend (vLLM style) install the pass alone:
+``torch._inductor.config.post_grad_custom_post_pass = AuxStreamPass("attn_res")``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from kimi_passes.aux_stream import AuxStreamPass
+from kimi_passes.stream import resolve_aux_stream
+
+BACKEND_NAME = "kimi"
+
+
+class KimiPassManager(CustomGraphPass):
+    """Runs the kimi passes in order as one ``post_grad_custom_post_pass``.
+
+    One object rather than a list: torch releases before 2.13 accept a single pass.
+    """
+
+    def __init__(self, passes):
+        self.passes = list(passes)
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for p in self.passes:
+            p(graph)
+
+    def uuid(self) -> str:
+        return ":".join(p.uuid() for p in self.passes)
+
+    def get(self, cls):
+        return next(p for p in self.passes if isinstance(p, cls))
+
+
+def build_passes(aux_stream: str, fuse_capture: bool = True):
+    return KimiPassManager([AuxStreamPass(aux_stream, fuse=fuse_capture)])
+
+
+class KimiBackend:
+    """A ``torch.compile`` backend: Inductor plus the kimi passes, options fixed at creation."""
+
+    def __init__(self, aux_stream=None, draft_config=None, fuse_capture=True, **inductor_config):
+        self.aux_stream = resolve_aux_stream(aux_stream, draft_config)
+        self.passes = build_passes(self.aux_stream, fuse_capture)
+        self.inductor_config = inductor_config
+
+    @property
+    def aux_pass(self) -> AuxStreamPass:
+        return self.passes.get(AuxStreamPass)
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        patches = {**self.inductor_config, "post_grad_custom_post_pass": self.passes}
+        return compile_fx(gm, example_inputs, config_patches=patches)
+
+    def __repr__(self) -> str:
+        return f"KimiBackend(aux_stream={self.aux_stream!r})"
+
+
+def make_kimi_backend(aux_stream: str | None = None, draft_config=None, **inductor_config):
+    """A backend serving ``aux_stream`` (argument > $KIMI_PASSES_AUX_STREAM > drafter > attn_res).
+
+    ``draft_config``: a drafter config dict, or the path of its config.json, whose
+    ``aux_hidden_stream`` names the stream it was trained on. Extra keyword
+    arguments are Inductor config patches (plus ``fuse_capture``, the aux-stream
+    pass's switch: False captures with a separate ``attn_res_mix`` read).
+    """
+    return KimiBackend(aux_stream, draft_config, **inductor_config)
+
+
+def kimi_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None):
+    """Inductor with the aux-stream pass; stream resolved per compile (see ``make_kimi_backend``).
+
+    ``torch.compile(m, backend="kimi", options={...})`` passes ``options`` here:
+    ``aux_stream``, ``draft_config``, ``fuse_capture`` and Inductor config patches.
+    """
+    return KimiBackend(**(options or {}))(gm, example_inputs)
+
+
+def register() -> None:
+    """Register ``backend="kimi"`` unless the ``torch_dynamo_backends`` entry point will.
+
+    When Dynamo resolves "kimi" through the entry point it imports this package and
+    then registers the loaded function itself; registering here too would collide.
+    """
+    from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS, register_backend
+
+    if BACKEND_NAME not in _COMPILER_FNS and _BACKENDS.get(BACKEND_NAME) is None:
+        register_backend(kimi_backend, name=BACKEND_NAME)

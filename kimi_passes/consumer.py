@@ -1,0 +1,162 @@
+"""Reading AttnRes calls out of a post-grad FX graph.
+
+In the functional post-grad graph a mutating ``kimi.attn_res`` call is an
+``auto_functionalized`` (v1) or ``auto_functionalized_v2`` node. ``AttnResCall``
+hides the difference: it names the call's prefix, delta, blocks, weights and
+int arguments, and where its outputs (the op's return, then the mutated bases)
+are read. Copies such as ``clone`` are seen through by ``root``.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from dataclasses import dataclass
+
+import torch
+from torch._higher_order_ops.auto_functionalize import (
+    auto_functionalized,
+    auto_functionalized_v2,
+)
+from torch.fx import Node
+
+aten = torch.ops.aten
+kimi = torch.ops.kimi
+
+ATTN_RES_OPS = (kimi.attn_res.default, kimi.attn_res_capture.default)
+AUX_TAP = kimi.aux_tap.default
+ATTN_RES_MIX = kimi.attn_res_mix.default
+
+# Ops that hand on the same values (a copy or a view of the whole tensor).
+_COPIES = (aten.clone.default, aten.alias.default, aten.detach.default)
+
+# Module path of a decoder layer: "layers.3", "layers['3']" or "layers[3]".
+_LAYER_PATH = re.compile(r"layers(?:\.|\[['\"]?)(\d+)")
+
+_MUTATED = ("prefix", "blocks")
+
+
+def root(node):
+    """Follow copies back to the value they copy."""
+    while isinstance(node, Node) and node.op == "call_function" and node.target in _COPIES:
+        node = node.args[0]
+    return node
+
+
+def layer_index(node: Node) -> int | None:
+    """The decoder layer a node was traced in (from Dynamo's nn_module_stack), if any."""
+    stack = node.meta.get("nn_module_stack") or {}
+    for path, *_ in reversed(list(stack.values())):
+        found = _LAYER_PATH.findall(str(path))
+        if found:
+            return int(found[-1])
+    return None
+
+
+@dataclass
+class AttnResCall:
+    """One functionalized ``kimi.attn_res`` / ``attn_res_capture`` call."""
+
+    node: Node
+
+    @property
+    def op(self):
+        return self.node.args[0]
+
+    @property
+    def is_v2(self) -> bool:
+        return self.node.target is auto_functionalized_v2
+
+    def arg(self, name: str):
+        if name in _MUTATED:
+            return self.base(name)
+        return self.node.kwargs.get(name)
+
+    def base(self, name: str) -> Node:
+        """The value passed as mutated argument ``name`` (prefix or blocks)."""
+        if self.is_v2:
+            return self.node.kwargs["_all_bases"][self.node.kwargs[f"_{name}_base_index"]]
+        return self.node.kwargs[name]
+
+    @property
+    def num_returns(self) -> int:
+        return 2 if self.op is kimi.attn_res_capture.default else 1
+
+    def output_index(self, name: str) -> int:
+        """getitem index of a mutated base's new value."""
+        if self.is_v2:
+            return self.num_returns + self.node.kwargs[f"_{name}_base_index"]
+        return self.num_returns + _MUTATED.index(name)
+
+    @property
+    def layer(self) -> int | None:
+        return layer_index(self.node)
+
+    @property
+    def has_output_norm(self) -> bool:
+        return self.node.kwargs.get("output_norm_weight") is not None
+
+    def getitem(self, index: int) -> Node:
+        """The existing ``getitem(node, index)`` user, or a new one right after the call."""
+        for user in self.node.users:
+            if user.target is operator.getitem and user.args[1] == index:
+                return user
+        with self.node.graph.inserting_after(self.node):
+            item = self.node.graph.call_function(operator.getitem, (self.node, index))
+        item.meta["val"] = self.node.meta["val"][index]
+        return item
+
+    def describe(self) -> str:
+        where = "output aggregation" if self.layer is None else f"layer {self.layer}"
+        return (
+            f"{where} {self.op.name()}(num_blocks={self.arg('num_blocks')}, "
+            f"block_write_idx={self.arg('block_write_idx')})"
+        )
+
+
+def attn_res_calls(graph: torch.fx.Graph) -> list[AttnResCall]:
+    """Every functionalized AttnRes call, in graph order."""
+    return [
+        AttnResCall(n)
+        for n in graph.nodes
+        if n.op == "call_function"
+        and n.target in (auto_functionalized, auto_functionalized_v2)
+        and n.args
+        and n.args[0] in ATTN_RES_OPS
+    ]
+
+
+def mix_nodes(graph: torch.fx.Graph) -> list[Node]:
+    return [n for n in graph.nodes if n.op == "call_function" and n.target is ATTN_RES_MIX]
+
+
+def _same_sum(a, b) -> bool:
+    """True when ``a`` and ``b`` compute the same ``x + y`` from the same operands."""
+    if not (isinstance(a, Node) and isinstance(b, Node)):
+        return False
+    if a is b:
+        return True
+    adds = (aten.add.Tensor,)
+    if a.target not in adds or b.target not in adds or a.kwargs or b.kwargs:
+        return False
+    ra, rb = [root(x) for x in a.args], [root(x) for x in b.args]
+    return ra == rb or ra == rb[::-1]
+
+
+def reads_value(call: AttnResCall, value) -> bool:
+    """Does ``call`` mix against ``value`` (its prefix after the optional delta)?"""
+    prefix, delta = root(call.base("prefix")), root(call.arg("delta"))
+    value = root(value)
+    if delta is None:
+        return prefix is value or _same_sum(prefix, value)
+    if value.op == "call_function" and value.target is aten.add.Tensor and not value.kwargs:
+        a, b = (root(x) for x in value.args)
+        return (a is prefix and b is delta) or (b is prefix and a is delta)
+    return False
+
+
+def find_consumers(graph: torch.fx.Graph, value) -> list:
+    """AttnRes calls (``AttnResCall``) or ``attn_res_mix`` nodes that mix against ``value``."""
+    found: list = [c for c in attn_res_calls(graph) if reads_value(c, value)]
+    found += [m for m in mix_nodes(graph) if _same_sum(root(m.args[0]), root(value))]
+    return found
