@@ -1,9 +1,24 @@
 """Errors raised at compile time when a tap cannot be given the value it asks for."""
 
+from __future__ import annotations
 
-class AuxCaptureError(RuntimeError):
+try:
+    # Dynamo re-raises a ShortenTraceback from a backend as it is, instead of wrapping
+    # it in BackendCompilerFailed: users can `except kimi_passes.AuxCaptureError`.
+    from torch._dynamo.exc import ShortenTraceback as _Base
+except ImportError:  # pragma: no cover - torch without that class
+    _Base = RuntimeError
+
+
+class AuxCaptureError(_Base):
     """A tap cannot read its consumer's pre-norm mixture; raised at compile time.
 
     The message names the capture id, the stage's layer range and the remedy.
-    Never replaced by a silent fallback to the running prefix.
+    Never replaced by a silent fallback to the running prefix. A RuntimeError.
     """
+
+    def __init__(self, message: str):
+        if _Base is RuntimeError:
+            super().__init__(message)
+        else:
+            super().__init__(message, first_useful_frame=None)

@@ -1,0 +1,42 @@
+"""Shared helpers for tests that compile the reference K3."""
+
+from __future__ import annotations
+
+import torch
+from kimi_passes.graphs.k3 import K3Config, K3Model
+
+import kimi_passes
+
+# Compiled whole-model vs eager: in bf16/fp16 Inductor rounds the attention and MLP
+# differently from eager, and that drift (1-2 ulps at |x| ~ 1) reaches the taps. A tap
+# from the wrong stream is off by O(1), so these still tell the streams apart.
+TOL = {torch.float32: 1e-5, torch.bfloat16: 4e-2, torch.float16: 1e-2}
+
+
+def small_config(num_layers=4, block_size=2, taps=None, dtype=torch.float32, seed=0, hidden=16):
+    taps = tuple(range(num_layers + 1)) if taps is None else tuple(taps)
+    return K3Config(num_layers=num_layers, hidden_size=hidden, attn_res_block_size=block_size,
+                    num_heads=2, intermediate_size=2 * hidden, vocab_size=64,
+                    aux_layer_ids=taps, seed=seed, dtype=dtype)
+
+
+def token_ids(cfg: K3Config, T: int = 7, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(seed))
+
+
+def inference_model(cfg: K3Config, start: int = 0, end: int | None = None, **kw) -> K3Model:
+    return K3Model(cfg, start, end, **kw).requires_grad_(False).eval()
+
+
+def compile_model(model, backend=None, **kw):
+    torch._dynamo.reset()
+    backend = kimi_passes.kimi_backend if backend is None else backend
+    return torch.compile(model, backend=backend, fullgraph=True, **kw)
+
+
+def assert_taps_close(got, want, dtype, msg=""):
+    assert len(got) == len(want), msg
+    tol = TOL[dtype]
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(g, w, atol=tol, rtol=tol,
+                                   msg=lambda m, i=i: f"{msg} tap {i}: {m}")

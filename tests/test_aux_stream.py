@@ -1,0 +1,257 @@
+"""AuxStreamPass + kimi_backend on the reference K3 (issue: the aux-stream pass)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+
+import pytest
+import torch
+from k3_helpers import (
+    assert_taps_close,
+    compile_model,
+    inference_model,
+    small_config,
+    token_ids,
+)
+from torch._dynamo.utils import counters
+from torch._inductor import config as inductor_config
+from torch._inductor.utils import run_and_get_code
+
+from kimi_passes import AuxCaptureError, AuxStreamPass, make_kimi_backend
+
+GEOMETRIES = [(1, 1), (2, 1), (2, 2), (5, 1), (5, 2), (5, 3), (5, 4), (8, 1), (8, 2), (8, 3),
+              (8, 4)]
+
+
+def taps_for(L, S):
+    """0, every block-write layer and L."""
+    return sorted({0, L, *range(S, L, S)})
+
+
+@pytest.fixture(autouse=True)
+def _no_cache():
+    with inductor_config.patch(force_disable_caches=True):
+        yield
+
+
+@pytest.mark.parametrize("L,S", GEOMETRIES)
+@torch.no_grad()
+def test_taps_match_ground_truth_fp32(L, S):
+    cfg = small_config(L, S, taps_for(L, S))
+    model = inference_model(cfg)
+    ids = token_ids(cfg)
+    want_hidden, want = model.ground_truth(ids)
+    backend = make_kimi_backend()
+    hidden, got = compile_model(model, backend)(ids)
+    assert_taps_close(got, want, torch.float32, f"L={L} S={S}")
+    torch.testing.assert_close(hidden, want_hidden, atol=1e-5, rtol=1e-5)
+    assert [r.capture_id for r in backend.aux_pass.last_rewrites] == list(cfg.aux_layer_ids)
+    assert all(r.fused for r in backend.aux_pass.last_rewrites)
+
+
+@pytest.mark.parametrize("L,S", [(2, 1), (5, 2), (8, 3)])
+@torch.no_grad()
+def test_taps_match_ground_truth_bf16(L, S):
+    cfg = small_config(L, S, taps_for(L, S), dtype=torch.bfloat16)
+    model = inference_model(cfg)
+    ids = token_ids(cfg)
+    _, want = model.ground_truth(ids)
+    _, got = compile_model(model)(ids)
+    assert all(t.dtype == torch.bfloat16 for t in got)
+    assert_taps_close(got, want, torch.bfloat16, f"L={L} S={S}")
+
+
+@torch.no_grad()
+def test_prefix_stream_reads_the_running_prefix():
+    cfg = small_config(5, 2, (0, 2, 3, 5))
+    model = inference_model(cfg)
+    ids = token_ids(cfg)
+    _, legacy = model(ids)  # eager aux_tap is the identity: the prefix stream
+    _, mixed = model.ground_truth(ids)
+    _, got = compile_model(model, make_kimi_backend(aux_stream="prefix"))(ids)
+    assert_taps_close(got, legacy, torch.float32)
+    # The two streams really differ past capture id 0 (else this test proves nothing).
+    assert all((a - b).abs().max() > 1e-3 for a, b in zip(legacy[1:], mixed[1:], strict=True))
+
+
+@torch.no_grad()
+def test_separate_read_matches_fused():
+    cfg = small_config(5, 2, (0, 2, 3, 5))
+    model = inference_model(cfg)
+    ids = token_ids(cfg)
+    _, want = model.ground_truth(ids)
+    backend = make_kimi_backend(fuse_capture=False)
+    _, got = compile_model(model, backend)(ids)
+    assert_taps_close(got, want, torch.float32)
+    assert not any(r.fused for r in backend.aux_pass.last_rewrites)
+
+
+@torch.no_grad()
+def test_dynamic_tokens_compile_once():
+    cfg = small_config(4, 2, (0, 2, 4))
+    model = inference_model(cfg)
+    compiled = compile_model(model)
+    for i, T in enumerate((5, 9, 17)):
+        ids = token_ids(cfg, T, seed=T)
+        if i == 0:
+            torch._dynamo.mark_dynamic(ids, 0)
+            _, got = compiled(ids)
+        else:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                _, got = compiled(ids)
+        _, want = model.ground_truth(ids)
+        assert_taps_close(got, want, torch.float32, f"T={T}")
+
+
+@torch.no_grad()
+def test_pipeline_final_stage_matches_single_stage():
+    cfg = small_config(6, 2, (0, 3, 4, 6))
+    whole = inference_model(cfg)
+    ids = token_ids(cfg)
+    _, want = whole.ground_truth(ids)
+    first, last = inference_model(cfg, 0, 3), inference_model(cfg, 3)
+    first.load_state_dict(whole.state_dict(), strict=False)
+    last.load_state_dict(whole.state_dict(), strict=False)
+    assert first.capture_ids == (0, 3) and last.capture_ids == (3, 4, 6)
+    # The first stage taps its end (3): refused. Compile it without that tap.
+    with pytest.raises(AuxCaptureError, match=r"capture id 3 .*layers \[0, 3\)"):
+        compile_model(first)(ids)
+    cfg_first = small_config(6, 2, (0,))
+    first = inference_model(cfg_first, 0, 3)
+    first.load_state_dict(whole.state_dict(), strict=False)
+    (bundle, taps0) = compile_model(first)(ids)
+    hidden, taps1 = compile_model(last)(*bundle)
+    # Capture id 3 is the final stage's first layer: its prefix is the incoming hidden.
+    assert_taps_close(taps0 + taps1, [want[0], want[1], want[2], want[3]], torch.float32)
+
+
+@torch.no_grad()
+def test_boundary_tap_refused_at_compile_time_naming_id_stage_and_remedy():
+    cfg = small_config(4, 2, (1, 2))
+    stage = inference_model(cfg, 0, 2)
+    with pytest.raises(AuxCaptureError) as info:
+        compile_model(stage)(token_ids(cfg))
+    msg = str(info.value)
+    assert "capture id 2" in msg and "[0, 2)" in msg and "Remedy" in msg
+    # The prefix stream is the knowing choice: it compiles.
+    compile_model(stage, make_kimi_backend(aux_stream="prefix"))(token_ids(cfg))
+
+
+@torch.no_grad()
+def test_stream_switch_with_fx_cache_on_gives_each_streams_values(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    cfg = small_config(4, 2, (0, 2, 4))
+    model = inference_model(cfg)
+    ids = token_ids(cfg)
+    _, legacy = model(ids)
+    _, mixed = model.ground_truth(ids)
+    counters.clear()
+    with inductor_config.patch(force_disable_caches=False, fx_graph_cache=True):
+        for stream, want in (("attn_res", mixed), ("prefix", legacy), ("attn_res", mixed)):
+            _, got = compile_model(model, make_kimi_backend(aux_stream=stream))(ids)
+            assert_taps_close(got, want, torch.float32, stream)
+    assert counters["inductor"]["fxgraph_cache_bypass"] == 0
+    assert counters["inductor"]["fxgraph_cache_miss"] == 2
+    assert counters["inductor"]["fxgraph_cache_hit"] == 1
+
+
+def test_uuid_covers_every_option():
+    ids = {AuxStreamPass(s, fuse=f).uuid() for s in ("attn_res", "prefix") for f in (True, False)}
+    assert len(ids) == 4
+    assert make_kimi_backend("prefix").passes.uuid() != make_kimi_backend("attn_res").passes.uuid()
+
+
+def _kimi_calls(code: str) -> int:
+    return len(re.findall(r"torch\.ops\.kimi\.attn_res(?:_capture|_mix)?\.default\(", code))
+
+
+@torch.no_grad()
+def test_generated_code_has_no_marker_and_no_extra_mixing_kernels():
+    ids_cfg = small_config(4, 2, (0, 2, 3, 4))
+    model = inference_model(ids_cfg)
+    ids = token_ids(ids_cfg)
+    _, (code_taps,) = run_and_get_code(compile_model(model), ids)
+    no_taps = inference_model(small_config(4, 2, ()))
+    _, (code_plain,) = run_and_get_code(compile_model(no_taps), ids)
+    for stream in ("prefix",):
+        _, (code_prefix,) = run_and_get_code(
+            compile_model(model, make_kimi_backend(aux_stream=stream)), ids)
+        assert "aux_tap" not in code_prefix
+    assert "aux_tap" not in code_taps
+    assert _kimi_calls(code_taps) == _kimi_calls(code_plain) == 2 * 4 + 1
+    # The separate-read capture is the one that adds mixing kernels (one per mixed tap).
+    _, (code_sep,) = run_and_get_code(
+        compile_model(model, make_kimi_backend(fuse_capture=False)), ids)
+    assert _kimi_calls(code_sep) == 2 * 4 + 1 + 4
+
+
+@torch.no_grad()
+def test_backend_by_name_with_options():
+    cfg = small_config(3, 2, (1, 3))
+    model = inference_model(cfg)
+    ids = token_ids(cfg)
+    _, legacy = model(ids)
+    _, mixed = model.ground_truth(ids)
+    for options, want in (({"aux_stream": "prefix"}, legacy), ({}, mixed)):
+        torch._dynamo.reset()
+        got = torch.compile(model, backend="kimi", options=options, fullgraph=True)(ids)[1]
+        assert_taps_close(got, want, torch.float32, str(options))
+
+
+def test_stream_resolution_order(monkeypatch, tmp_path):
+    monkeypatch.delenv("KIMI_PASSES_AUX_STREAM", raising=False)
+    draft = tmp_path / "config.json"
+    draft.write_text(json.dumps({"aux_hidden_stream": "prefix"}))
+    assert make_kimi_backend().aux_stream == "attn_res"
+    assert make_kimi_backend(draft_config=str(draft)).aux_stream == "prefix"
+    assert make_kimi_backend(draft_config=str(tmp_path)).aux_stream == "prefix"
+    assert make_kimi_backend(draft_config={"aux_hidden_stream": "attn_res"}).aux_stream == (
+        "attn_res")
+    monkeypatch.setenv("KIMI_PASSES_AUX_STREAM", "attn_res")
+    assert make_kimi_backend(draft_config=str(draft)).aux_stream == "attn_res"
+    assert make_kimi_backend("prefix", draft_config=str(draft)).aux_stream == "prefix"
+    monkeypatch.setenv("KIMI_PASSES_AUX_STREAM", "post_norm")
+    with pytest.raises(ValueError, match=r"unknown aux stream 'post_norm' from \$KIMI_PASSES"):
+        make_kimi_backend()
+    with pytest.raises(ValueError, match="unknown aux stream 'bogus' from the aux_stream arg"):
+        make_kimi_backend("bogus")
+
+
+@torch.no_grad()
+def test_pass_alone_as_post_grad_custom_post_pass():
+    cfg = small_config(3, 1, (0, 2, 3))
+    model = inference_model(cfg)
+    ids = token_ids(cfg)
+    _, want = model.ground_truth(ids)
+    aux = AuxStreamPass("attn_res")
+    with inductor_config.patch(post_grad_custom_post_pass=aux):
+        _, got = compile_model(model, "inductor")(ids)
+    assert_taps_close(got, want, torch.float32)
+    assert [r.capture_id for r in aux.last_rewrites] == [0, 2, 3]
+
+
+@torch.no_grad()
+def test_logs_once_per_compiled_graph_and_nothing_in_forward(caplog):
+    cfg = small_config(3, 1, (1, 3))
+    model = inference_model(cfg)
+    ids = token_ids(cfg)
+    compiled = compile_model(model)
+    with caplog.at_level(logging.INFO, logger="kimi_passes"):
+        compiled(ids)
+        compiled(ids)
+        compiled(ids)
+    lines = [r.getMessage() for r in caplog.records if r.name == "kimi_passes"]
+    assert len(lines) == 1, lines
+    assert "id 1 <- layer 1" in lines[0] and "id 3 <- output aggregation" in lines[0]
+    assert "fused" in lines[0]
+
+
+@torch.no_grad()
+def test_separate_read_is_said_in_the_log(caplog):
+    cfg = small_config(2, 1, (1,))
+    with caplog.at_level(logging.INFO, logger="kimi_passes"):
+        compile_model(inference_model(cfg), make_kimi_backend(fuse_capture=False))(
+            token_ids(cfg))
+    assert any("separate attn_res_mix read" in r.getMessage() for r in caplog.records)
