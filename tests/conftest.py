@@ -1,9 +1,12 @@
 import os
 
-# The Triton kernel runs on CPU under the interpreter; set before triton is imported.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
 
-import torch  # noqa: E402
+# Without a GPU the Triton kernel runs on CPU under the interpreter. Triton reads the
+# variable when it is first imported, so one process is either interpreted or compiled:
+# on a GPU machine run the CUDA tests compiled (the default there).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import kimi_passes  # noqa: E402,F401  (registers torch.ops.kimi.*)
 

@@ -1,0 +1,312 @@
+"""Triton kernel of the AttnRes op family (DESIGN section 3).
+
+One ``@triton.jit`` kernel serves ``attn_res``, ``attn_res_capture`` and
+``attn_res_mix``; constexpr flags pick the prefix update, the block write, the
+output norm and which of ``out`` / ``mixed`` are stored.
+
+One program handles one token row. It reads every source exactly once, with an
+online softmax over depth (running max ``m``, running sum ``l``, fp32
+accumulator ``acc[BLOCK_H]``), so the bank is streamed in a single pass:
+
+- the (updated, dtype-rounded) prefix is the first source: ``m = logit(prefix)``,
+  ``l = 1``, ``acc = prefix``; no ``-inf`` sentinel, and with ``num_blocks == 0``
+  the mixture is the prefix itself, bit for bit;
+- then ``blocks[row, j]`` for ``j < num_blocks`` in order. The slot the block
+  write just filled is not read back: its value (the rounded prefix) is taken
+  from registers, which saves a row read and needs no barrier between the write
+  and the read. The mixture therefore has the same arithmetic, bit for bit, as
+  ``attn_res_mix`` run on the post-update state;
+- loads run two sources ahead of the reduction (plus weights, prefix and delta
+  up front), to keep enough bytes in flight per SM on a memory-bound stream.
+
+``H`` is arbitrary: ``BLOCK_H = next_power_of_2(H)`` with masked lanes, and the
+means divide by the true ``H``. Row strides are kernel arguments; the hidden
+dimension must be unit-stride (checked, never silently copied).
+
+Modes: ``triton.jit`` reads ``TRITON_INTERPRET`` when it decorates, not at launch,
+and triton.language's own jit helpers (``tl.sum``) are decorated when triton is
+first imported. The kernel is built in that same mode (``INTERPRETED``): with the
+interpreter it runs on CPU tensors (and on CUDA tensors, slowly, through host
+copies); compiled, it runs on GPU tensors, and a CPU launch raises. The test
+conftest sets ``TRITON_INTERPRET=1`` before importing triton; run GPU tests and
+benchmarks with ``TRITON_INTERPRET=0`` to exercise the compiled kernel.
+
+Interpreter caveat: the Triton 3.9 interpreter rounds fp32 -> bf16 by truncation,
+so on CPU the bf16 stores round to nearest-even by bit manipulation
+(``BF16_SOFT_RTNE``, never set for GPU launches, where the hardware conversion is
+already round-to-nearest-even). That keeps the in-place prefix update bit-exact.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+from .validate import AttnResArgumentError, validate_mix, validate_sources
+
+
+def _attn_res_kernel(
+    prefix_ptr,
+    delta_ptr,
+    blocks_ptr,
+    norm_w_ptr,
+    qk_w_ptr,
+    out_norm_w_ptr,
+    out_ptr,
+    mix_ptr,
+    H,
+    num_blocks,
+    skip_idx,
+    stride_p,
+    stride_d,
+    stride_bt,
+    stride_bn,
+    stride_o,
+    stride_m,
+    eps,
+    out_eps,
+    HAS_DELTA: tl.constexpr,
+    DO_WRITE: tl.constexpr,
+    HAS_OUT_NORM: tl.constexpr,
+    WRITE_OUT: tl.constexpr,
+    WRITE_MIX: tl.constexpr,
+    BF16_SOFT_RTNE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    # 64-bit offsets: T * row stride and slot * slot stride can pass 2**31 elements.
+    row = tl.program_id(0).to(tl.int64)
+    slot_stride = tl.cast(stride_bn, tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    hmask = cols < H
+    b_row = blocks_ptr + row * stride_bt
+
+    # Issue every independent load up front: weights, prefix, delta, first two blocks.
+    w = tl.load(norm_w_ptr + cols, mask=hmask, other=0.0).to(tl.float32)
+    w = w * tl.load(qk_w_ptr + cols, mask=hmask, other=0.0).to(tl.float32)
+    p_ptrs = prefix_ptr + row * stride_p + cols
+    x = tl.load(p_ptrs, mask=hmask, other=0.0)
+    # Masks combine a vector and a scalar condition through a column limit: the
+    # interpreter mis-types ``vector_mask & scalar_mask`` (int32, rejected by tl.load).
+    lim = tl.where((skip_idx != 0) & (num_blocks > 0), H, 0)
+    v_next = tl.load(b_row + cols, mask=cols < lim, other=0.0)
+    lim = tl.where((skip_idx != 1) & (num_blocks > 1), H, 0)
+    v_next2 = tl.load(b_row + slot_stride + cols, mask=cols < lim, other=0.0)
+
+    if HAS_DELTA:
+        d = tl.load(delta_ptr + row * stride_d + cols, mask=hmask, other=0.0)
+        # Round to the storage dtype before the value is stored, written or mixed.
+        x = x.to(tl.float32) + d.to(tl.float32)
+        if BF16_SOFT_RTNE:
+            u = x.to(tl.uint32, bitcast=True)
+            u = tl.where(x != x, 0x7FC00000, u + 0x7FFF + ((u >> 16) & 1))
+            x = (u >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            x = x.to(prefix_ptr.dtype.element_ty)
+        tl.store(p_ptrs, x, mask=hmask)
+    if DO_WRITE:
+        tl.store(b_row + skip_idx * slot_stride + cols, x, mask=hmask)
+
+    # Source 0 is the prefix: start the online softmax from it (m = its logit,
+    # l = 1, acc = prefix), so no -inf sentinel is needed and nb == 0 is exact.
+    xf = x.to(tl.float32)
+    dot, ssq = tl.split(tl.sum(tl.join(xf * w, xf * xf), axis=0))
+    m = dot * tl.rsqrt(ssq / H + eps)
+    l = tl.full((), 1.0, tl.float32)  # noqa: E741
+    acc = xf
+
+    for j in range(0, num_blocks):
+        v = v_next.to(tl.float32)
+        if DO_WRITE:
+            # The written slot holds the rounded prefix: take it from registers.
+            v = tl.where(j == skip_idx, x.to(tl.float32), v)
+        # Two sources ahead stay in flight while this one is reduced.
+        v_next = v_next2
+        nxt = j + 2
+        lim = tl.where((nxt != skip_idx) & (nxt < num_blocks), H, 0)
+        v_next2 = tl.load(b_row + nxt * slot_stride + cols, mask=cols < lim, other=0.0)
+        # Both row reductions in one pass (one cross-warp exchange, not two).
+        dot, ssq = tl.split(tl.sum(tl.join(v * w, v * v), axis=0))
+        logit = dot * tl.rsqrt(ssq / H + eps)
+        # PropagateNan.ALL: a NaN logit must reach m, not be dropped by the max.
+        m_new = tl.maximum(m, logit, propagate_nan=tl.PropagateNan.ALL)
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(logit - m_new)
+        l = l * alpha + p  # noqa: E741
+        acc = acc * alpha + p * v
+        m = m_new
+
+    mixed = acc * (1.0 / l)
+    if WRITE_MIX:
+        y = mixed
+        if BF16_SOFT_RTNE:
+            u = y.to(tl.uint32, bitcast=True)
+            u = tl.where(y != y, 0x7FC00000, u + 0x7FFF + ((u >> 16) & 1))
+            y = (u >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        tl.store(mix_ptr + row * stride_m + cols, y.to(mix_ptr.dtype.element_ty), mask=hmask)
+    if WRITE_OUT:
+        y = mixed
+        if HAS_OUT_NORM:
+            ow = tl.load(out_norm_w_ptr + cols, mask=hmask, other=0.0).to(tl.float32)
+            ms = tl.sum(mixed * mixed, axis=0) / H
+            y = mixed * tl.rsqrt(ms + out_eps) * ow
+        if BF16_SOFT_RTNE:
+            u = y.to(tl.uint32, bitcast=True)
+            u = tl.where(y != y, 0x7FC00000, u + 0x7FFF + ((u >> 16) & 1))
+            y = (u >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=hmask)
+
+
+# ``triton.jit`` picks interpreter or compiler from TRITON_INTERPRET when it decorates,
+# and triton.language's own jit helpers (``tl.sum``, ...) were decorated when triton
+# was imported; a kernel of the other mode cannot call them. So the kernel follows
+# the mode triton.language was built in, whatever the environment says now.
+INTERPRETED = not isinstance(tl.sum, JITFunction)
+with triton.knobs.runtime.scope():
+    triton.knobs.runtime.interpret = INTERPRETED
+    _KERNEL = triton.jit(_attn_res_kernel)
+
+
+def _num_warps(block_h: int) -> int:
+    """16 elements per thread (4 warps at least, 32 at most).
+
+    At 16 elements a thread the sm_90 build of the full kernel (delta, write, output
+    norm, two sources in flight) uses about 108 registers for bf16/fp16 and 121 for
+    fp32 with no spills, so a BLOCK_H = 8192 program (16 warps) fits one per SM and
+    smaller rows fit several. Above 8192 the row no longer fits the register file
+    and the build spills.
+    """
+    return min(32, max(4, block_h // 512))
+
+
+def _check_unit_stride(**tensors: torch.Tensor | None) -> None:
+    for name, t in tensors.items():
+        if t is not None and t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise AttnResArgumentError(
+                f"kimi attn_res (triton): {name} must have a unit-stride last dimension, got "
+                f"stride {tuple(t.stride())} for shape {tuple(t.shape)}; row strides may be "
+                f"arbitrary, but the hidden dimension must be contiguous"
+            )
+
+
+def _launch(
+    prefix,
+    delta,
+    blocks,
+    norm_weight,
+    qk_weight,
+    output_norm_weight,
+    num_blocks,
+    block_write_idx,
+    eps,
+    output_norm_eps,
+    out,
+    mixed,
+) -> None:
+    T, H = prefix.shape
+    if T == 0 or H == 0:
+        return
+    do_write = block_write_idx >= 0
+    # skip_idx: the written slot (not loaded: sourced from registers), else num_blocks.
+    skip_idx = block_write_idx if do_write else num_blocks
+    if prefix.device.type == "cpu" and not INTERPRETED:
+        raise RuntimeError(
+            "kimi attn_res (triton): CPU tensors need the Triton interpreter; set "
+            "TRITON_INTERPRET=1 before triton is first imported"
+        )
+    block_h = triton.next_power_of_2(H)
+    args = (
+        prefix,
+        delta if delta is not None else prefix,
+        blocks,
+        norm_weight,
+        qk_weight,
+        output_norm_weight if output_norm_weight is not None else norm_weight,
+        out if out is not None else prefix,
+        mixed if mixed is not None else prefix,
+        H,
+        num_blocks,
+        skip_idx,
+        prefix.stride(0),
+        delta.stride(0) if delta is not None else 0,
+        blocks.stride(0),
+        blocks.stride(1),
+        out.stride(0) if out is not None else 0,
+        mixed.stride(0) if mixed is not None else 0,
+        float(eps),
+        float(output_norm_eps),
+    )
+    flags = dict(
+        HAS_DELTA=delta is not None,
+        DO_WRITE=do_write,
+        HAS_OUT_NORM=output_norm_weight is not None,
+        WRITE_OUT=out is not None,
+        WRITE_MIX=mixed is not None,
+        BF16_SOFT_RTNE=INTERPRETED and prefix.dtype == torch.bfloat16,
+        BLOCK_H=block_h,
+        num_warps=_num_warps(block_h),
+    )
+    if INTERPRETED:
+        _KERNEL[(T,)](*args, **flags)  # any device: the interpreter stages through host memory
+    else:
+        with torch.cuda.device(prefix.device):
+            _KERNEL[(T,)](*args, **flags)
+
+
+def attn_res_triton(
+    prefix,
+    delta,
+    blocks,
+    norm_weight,
+    qk_weight,
+    output_norm_weight,
+    num_blocks,
+    block_write_idx,
+    eps,
+    output_norm_eps,
+) -> torch.Tensor:
+    """``kimi::attn_res`` on the tensors' device; mutates ``prefix`` and ``blocks``."""
+    args = (prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
+            num_blocks, block_write_idx, eps, output_norm_eps)
+    validate_sources(*args)
+    _check_unit_stride(prefix=prefix, delta=delta, blocks=blocks, norm_weight=norm_weight,
+                       qk_weight=qk_weight, output_norm_weight=output_norm_weight)
+    out = torch.empty(prefix.shape, dtype=prefix.dtype, device=prefix.device)
+    _launch(*args, out, None)
+    return out
+
+
+def attn_res_capture_triton(
+    prefix,
+    delta,
+    blocks,
+    norm_weight,
+    qk_weight,
+    output_norm_weight,
+    num_blocks,
+    block_write_idx,
+    eps,
+    output_norm_eps,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kimi::attn_res_capture``: ``(out, mixed)``, two distinct buffers."""
+    args = (prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
+            num_blocks, block_write_idx, eps, output_norm_eps)
+    validate_sources(*args)
+    _check_unit_stride(prefix=prefix, delta=delta, blocks=blocks, norm_weight=norm_weight,
+                       qk_weight=qk_weight, output_norm_weight=output_norm_weight)
+    out = torch.empty(prefix.shape, dtype=prefix.dtype, device=prefix.device)
+    mixed = torch.empty(prefix.shape, dtype=prefix.dtype, device=prefix.device)
+    _launch(*args, out, mixed)
+    return out, mixed
+
+
+def attn_res_mix_triton(prefix, blocks, norm_weight, qk_weight, num_blocks, eps) -> torch.Tensor:
+    """``kimi::attn_res_mix``: the pre-norm mixture, a pure read."""
+    validate_mix(prefix, blocks, norm_weight, qk_weight, num_blocks, eps)
+    _check_unit_stride(prefix=prefix, blocks=blocks, norm_weight=norm_weight,
+                       qk_weight=qk_weight)
+    mixed = torch.empty(prefix.shape, dtype=prefix.dtype, device=prefix.device)
+    _launch(prefix, None, blocks, norm_weight, qk_weight, None, num_blocks, -1, eps, 0.0,
+            None, mixed)
+    return mixed
