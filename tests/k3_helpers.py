@@ -7,10 +7,7 @@ from kimi_passes.graphs.k3 import K3Config, K3Model
 
 import kimi_passes
 
-# Compiled whole-model vs eager: in bf16/fp16 Inductor rounds the attention and MLP
-# differently from eager, and that drift (1-2 ulps at |x| ~ 1) reaches the taps. A tap
-# from the wrong stream is off by O(1), so these still tell the streams apart.
-TOL = {torch.float32: 1e-5, torch.bfloat16: 4e-2, torch.float16: 1e-2}
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
 def small_config(num_layers=4, block_size=2, taps=None, dtype=torch.float32, seed=0, hidden=16):
@@ -26,6 +23,18 @@ def token_ids(cfg: K3Config, T: int = 7, seed: int = 0) -> torch.Tensor:
 
 def inference_model(cfg: K3Config, start: int = 0, end: int | None = None, **kw) -> K3Model:
     return K3Model(cfg, start, end, **kw).requires_grad_(False).eval()
+
+
+def compiled_ground_truth(model, *inputs):
+    """Ground-truth taps with the rest of the model compiled by plain Inductor.
+
+    In bf16/fp16 Inductor rounds attention and MLP differently from eager, and that
+    drift (a few ulps, growing with depth) reaches the taps. Compiling the ground
+    truth too gives both sides the same upstream values, so what is compared is the
+    tap itself at the op's tolerance.
+    """
+    torch._dynamo.reset()
+    return torch.compile(model.ground_truth, backend="inductor", fullgraph=True)(*inputs)
 
 
 def compile_model(model, backend=None, **kw):

@@ -11,6 +11,7 @@ import torch
 from k3_helpers import (
     assert_taps_close,
     compile_model,
+    compiled_ground_truth,
     inference_model,
     small_config,
     token_ids,
@@ -57,7 +58,7 @@ def test_taps_match_ground_truth_bf16(L, S):
     cfg = small_config(L, S, taps_for(L, S), dtype=torch.bfloat16)
     model = inference_model(cfg)
     ids = token_ids(cfg)
-    _, want = model.ground_truth(ids)
+    _, want = compiled_ground_truth(model, ids)
     _, got = compile_model(model)(ids)
     assert all(t.dtype == torch.bfloat16 for t in got)
     assert_taps_close(got, want, torch.bfloat16, f"L={L} S={S}")
