@@ -10,6 +10,7 @@ from kimi_passes import ops  # noqa: F401  (registers torch.ops.kimi.*)
 from kimi_passes.aux_stream import AuxStreamPass
 from kimi_passes.backend import KimiBackend, kimi_backend, make_kimi_backend, register
 from kimi_passes.errors import AuxCaptureError
+from kimi_passes.graph_text import graph_text
 from kimi_passes.tap import aux_tap
 
 register()
@@ -19,6 +20,7 @@ __all__ = [
     "AuxStreamPass",
     "KimiBackend",
     "aux_tap",
+    "graph_text",
     "kimi_backend",
     "make_kimi_backend",
     "ops",

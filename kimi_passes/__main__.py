@@ -1,0 +1,301 @@
+"""``python -m kimi_passes`` (``kimi-passes``): compile the embedded tiny K3 and check every tap.
+
+    python -m kimi_passes                          # K3Config.tiny(): L=4, S=2, taps 0,2,3,4
+    python -m kimi_passes --stages 2               # two pipeline stages, [0,2) and [2,4)
+    python -m kimi_passes --stream prefix --dtype bf16 --tokens 32
+    python -m kimi_passes --dump dump/ --show-graph
+    python -m kimi_passes bench [args]             # kimi_passes.bench, when installed
+
+Each stage is compiled with ``kimi_backend`` (caches off, so the pass runs and
+reports), run, and its taps compared with the eager reference: in the attn_res
+stream the model's ``ground_truth`` (each tap its consumer's pre-norm mixture), in
+the prefix stream the eager model's legacy prefix value. ``cos(prefix)`` is the
+cosine similarity of the tap to the prefix-stream value (1.0 in the prefix stream).
+
+Exit status: 0 when every tap agrees (max abs error within 1e-5 fp32, 2e-2 bf16,
+5e-3 fp16), 1 when one does not or the pass refuses a tap (the error is printed),
+2 for bad arguments or a missing tool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import shutil
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 5e-3}
+
+
+def _bench(argv: list[str]) -> int:
+    try:
+        bench = importlib.import_module("kimi_passes.bench")
+    except ModuleNotFoundError as e:
+        if e.name not in ("kimi_passes.bench",):
+            raise
+        print("kimi-passes bench: this build has no kimi_passes.bench module", file=sys.stderr)
+        return 2
+    return int(bench.main(argv) or 0)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma list of integers, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kimi-passes",
+        description="Compile the embedded tiny Kimi K3 with kimi_backend and check that every "
+                    "aux tap reads what it should. Subcommand: 'bench [args]'.")
+    p.add_argument("--layers", type=int, help="decoder layers L (default 4)")
+    p.add_argument("--block-size", type=int, help="AttnRes block size S in layers (default 2)")
+    p.add_argument("--hidden", type=int, help="hidden size H (default 64)")
+    p.add_argument("--heads", type=int, help="attention heads (default 4; must divide H)")
+    p.add_argument("--taps", type=_int_list,
+                   help="capture ids, comma list in [0, L] (default 0, S, L-1, L)")
+    p.add_argument("--stages", type=_int_list, default=[],
+                   help="pipeline stage boundaries, e.g. '2' for stages [0,2) and [2,L)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--tokens", type=int, default=16, help="tokens T (default 16)")
+    p.add_argument("--stream", choices=("attn_res", "prefix"), default="attn_res",
+                   help="the aux stream the backend serves (default attn_res)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-fuse", action="store_true",
+                   help="capture with a separate attn_res_mix read instead of fusing the tap "
+                        "into its consumer's kernel")
+    p.add_argument("--aten-fallback", action="store_true",
+                   help="Inductor lowers every op to an ATen call (no generated kernels): much "
+                        "faster compiles; the passes and post-grad graphs are unchanged")
+    p.add_argument("--dump", metavar="DIR",
+                   help="write a depyf dump there (the pass's before/after graphs included)")
+    p.add_argument("--show-graph", action="store_true",
+                   help="print each stage's post-pass graph (skeleton view)")
+    p.add_argument("--svg", metavar="FILE",
+                   help="draw the kimi region before and after the pass (needs graphviz 'dot')")
+    return p
+
+
+def default_taps(L: int, S: int) -> tuple[int, ...]:
+    """0, the first block-write layer past 0, L-1 and L (K3Config.tiny()'s taps for L=4, S=2)."""
+    return tuple(sorted({0, min(S, L), max(L - 1, 0), L}))
+
+
+def make_config(args):
+    from kimi_passes.graphs import K3Config
+
+    tiny = K3Config.tiny()
+    L = args.layers if args.layers is not None else tiny.num_layers
+    S = args.block_size if args.block_size is not None else tiny.attn_res_block_size
+    H = args.hidden if args.hidden is not None else tiny.hidden_size
+    heads = args.heads if args.heads is not None else tiny.num_heads
+    if args.taps is not None:
+        taps = tuple(args.taps)
+    elif (L, S) == (tiny.num_layers, tiny.attn_res_block_size):
+        taps = tiny.aux_layer_ids
+    else:
+        taps = default_taps(L, S)
+    return K3Config(num_layers=L, hidden_size=H, attn_res_block_size=S, num_heads=heads,
+                    intermediate_size=2 * H, vocab_size=tiny.vocab_size, aux_layer_ids=taps,
+                    seed=args.seed, dtype=DTYPES[args.dtype])
+
+
+def make_stages(boundaries: list[int], L: int) -> list[tuple[int, int]]:
+    cuts = sorted(set(boundaries))
+    bad = [b for b in cuts if not 0 < b < L]
+    if bad:
+        raise ValueError(f"--stages: boundaries {bad} must lie strictly inside (0, {L})")
+    edges = [0, *cuts, L]
+    return list(zip(edges[:-1], edges[1:], strict=True))
+
+
+@dataclass
+class TapRow:
+    capture_id: int
+    stage: str
+    consumer: str
+    stream: str
+    capture: str
+    err: float
+    reference: str
+    cos: float
+    ok: bool
+
+
+def _table(rows: list[TapRow], tol: float) -> str:
+    head = ("id", "stage", "consumer", "stream", "capture", "max abs err", "vs",
+            "cos(prefix)", "ok")
+    body = [(str(r.capture_id), r.stage, r.consumer, r.stream, r.capture, f"{r.err:.2e}",
+             r.reference, f"{r.cos:.4f}", "yes" if r.ok else f"NO (> {tol:g})") for r in rows]
+    widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+    return "\n".join([line(head), line(["-" * w for w in widths]), *map(line, body)])
+
+
+def _dot_available() -> bool:
+    return shutil.which("dot") is not None
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        return _bench(argv[1:])
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2)
+        return int(e.code or 0)
+    try:
+        cfg = make_config(args)
+        stages = make_stages(args.stages, cfg.num_layers)
+        if args.tokens < 1:
+            raise ValueError(f"--tokens must be at least 1, got {args.tokens}")
+    except ValueError as e:
+        print(f"kimi-passes: error: {e}", file=sys.stderr)
+        return 2
+    if args.svg and not _dot_available():
+        print("kimi-passes: --svg needs graphviz's 'dot' on PATH, which was not found; "
+              "install graphviz (e.g. apt-get install graphviz) or drop --svg "
+              "(--show-graph prints the same region as text)", file=sys.stderr)
+        return 2
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*dynamo_pgo force disabled")
+        return _run(args, cfg, stages)
+
+
+def _run(args, cfg, stages) -> int:
+    import torch.nn.functional as F
+    from torch._dynamo.exc import BackendCompilerFailed
+    from torch._dynamo.utils import counters
+
+    from kimi_passes import AuxCaptureError, make_kimi_backend
+    from kimi_passes.debug import dump, pass_dumps
+    from kimi_passes.graph_text import GraphRecorder, graph_dot
+    from kimi_passes.graphs import K3Model
+
+    tol = TOLERANCE[args.dtype]
+    L, S = cfg.num_layers, cfg.attn_res_block_size
+    fuse = not args.no_fuse
+    inductor = {"fallback_by_default": True} if args.aten_fallback else {}
+    stage_names = ", ".join(f"[{s}, {e})" for s, e in stages)
+    capture = "n/a" if args.stream == "prefix" else ("fused capture" if fuse else
+                                                      "separate attn_res_mix capture")
+    print(f"kimi-passes: K3 L={L} S={S} H={cfg.hidden_size} heads={cfg.num_heads} "
+          f"T={args.tokens} {args.dtype}; taps {list(cfg.aux_layer_ids)}; stream "
+          f"{args.stream} ({capture}); stages {stage_names}"
+          + ("; ATen fallbacks" if args.aten_fallback else ""))
+
+    ids = torch.randint(0, cfg.vocab_size, (args.tokens,),
+                        generator=torch.Generator().manual_seed(args.seed))
+    counters.clear()
+    rows: list[TapRow] = []
+    times: list[tuple[str, float]] = []
+    recompiles = 0
+    recorders: list[tuple[str, GraphRecorder]] = []
+    output_err = None
+    dumping = dump(args.dump) if args.dump else contextlib.nullcontext()
+    with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True), dumping:
+        inputs, ref_inputs = (ids,), (ids,)
+        for start, end in stages:
+            name = f"[{start}, {end})"
+            model = K3Model(cfg, start, end)
+            recorder = GraphRecorder(make_kimi_backend(aux_stream=args.stream,
+                                                       fuse_capture=fuse, **inductor))
+            recorders.append((name, recorder))
+            torch._dynamo.reset()
+            compiled = torch.compile(model, backend=recorder)
+            t0 = time.perf_counter()
+            try:
+                out, taps = compiled(*inputs)
+            except BackendCompilerFailed as e:
+                if isinstance(e.inner_exception, AuxCaptureError):
+                    print(f"kimi-passes: stage {name}: the aux-stream pass refused the "
+                          f"compile:\nAuxCaptureError: {e.inner_exception}", file=sys.stderr)
+                    return 1
+                raise
+            times.append((name, time.perf_counter() - t0))
+            compiled_graphs = len(recorder.graphs)
+            compiled(*inputs)  # the same call again: served without recompiling
+            recompiles += len(recorder.graphs) - compiled_graphs
+
+            ref_out, prefix_taps = model(*ref_inputs)
+            if args.stream == "attn_res":
+                truth, reference = model.ground_truth(*ref_inputs)[1], "ground truth"
+            else:
+                truth, reference = prefix_taps, "eager prefix"
+            rewrites = {r.capture_id: r for g in recorder.graphs for r in g.rewrites}
+            for k, got, want, legacy in zip(model.capture_ids, taps, truth, prefix_taps,
+                                            strict=True):
+                r = rewrites.get(k)
+                err = (got.float() - want.float()).abs().max().item()
+                cos = F.cosine_similarity(got.float().flatten(), legacy.float().flatten(),
+                                          dim=0).item()
+                rows.append(TapRow(
+                    k, name, r.consumer if r else "(no rewrite recorded)",
+                    r.stream if r else args.stream, r.how() if r else "?", err, reference,
+                    cos, err <= tol))
+            if model.is_last:
+                output_err = (out.float() - ref_out.float()).abs().max().item()
+            inputs, ref_inputs = out, ref_out
+
+    print(_table(rows, tol))
+    if args.stream == "prefix":
+        print("(prefix stream: taps compared with the eager model's running prefix value, "
+              "not with the AttnRes ground truth)")
+    breaks = sum(counters["graph_break"].values())
+    print(f"model output: max abs err {output_err:.2e} vs eager")
+    print(f"graph breaks: {breaks}")
+    print(f"recompiles: {recompiles} (each stage called twice with the same inputs)")
+    per_stage = ", ".join(f"{n}: {t:.1f} s" for n, t in times)
+    print(f"compile time: {sum(t for _, t in times):.1f} s (first call, one run included; "
+          f"{per_stage})")
+
+    if args.show_graph:
+        for name, recorder in recorders:
+            for i, g in enumerate(recorder.graphs):
+                part = f" graph {i}" if len(recorder.graphs) > 1 else ""
+                print(f"\npost-pass graph of stage {name}{part} (skeleton view):")
+                print(g.text("skeleton"), end="")
+    if args.dump:
+        files = pass_dumps(args.dump)
+        print(f"\ndepyf dump in {args.dump}: {len(files)} pass graph file(s)")
+        for f in files:
+            print(f"  {f.name}")
+    if args.svg:
+        graphs = {}
+        for name, recorder in recorders:
+            for i, g in enumerate(recorder.graphs):
+                part = f" graph {i}" if len(recorder.graphs) > 1 else ""
+                if g.before is not None:
+                    graphs[f"stage {name}{part}: before"] = (g.before, g.names)
+                    graphs[f"stage {name}{part}: after"] = (g.after, g.names)
+        dot = graph_dot(graphs)
+        done = subprocess.run(["dot", "-Tsvg", "-o", args.svg], input=dot, text=True,
+                              capture_output=True)
+        if done.returncode != 0:
+            print(f"kimi-passes: dot failed: {done.stderr.strip()}", file=sys.stderr)
+            return 2
+        print(f"\nwrote {args.svg} (kimi region before and after the pass)")
+
+    bad = [r for r in rows if not r.ok]
+    if bad:
+        print(f"result: {len(bad)} of {len(rows)} taps DISAGREE (capture ids "
+              f"{[r.capture_id for r in bad]}; tolerance {tol:g} for {args.dtype})")
+        return 1
+    print(f"result: all {len(rows)} taps agree (tolerance {tol:g} for {args.dtype})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,543 @@
+"""Normalised text of FX graphs for golden files, and a backend that records graphs.
+
+``graph_text(graph)`` prints a post-grad graph in a form meant to survive torch
+upgrades: no ``# File:`` comments, no ``<lambda>``, no stack traces; inputs named
+by parameter name where known (else ``in0, in1, ...``), nodes renamed ``v0, v1, ...``
+in graph order, dynamic symbols renamed ``s0, s1, ...`` in order of appearance,
+and ``auto_functionalized`` / ``auto_functionalized_v2`` written alike: the op
+with its schema's named arguments (the mutated bases resolved) and the list of
+mutated arguments::
+
+    v4 = kimi.attn_res_capture(prefix=v1, delta=None, blocks=v2, ...) [functional, mutates
+        prefix, blocks]
+    v4.ret[1]: f32[5, 16]
+    v4.updated.blocks: f32[5, 2, 16]
+    v5: f32[5, 16] = aten.mm(v4.ret[0], v3)
+
+A ``getitem`` is named after what it reads and printed as its own line with its
+type, so that adding or dropping one does not renumber the rest of the graph.
+
+View ``"full"`` prints every node. View ``"skeleton"`` prints the kimi ops (and
+the getitems that read them), the nodes that feed them or the output, and folds
+every other run of nodes into one ``... N ops`` line; arguments that point into
+a folded run print as ``_``.
+
+``GraphRecorder`` is a ``torch.compile`` backend wrapping a ``KimiBackend``: per
+compiled graph it records the input names Dynamo gave the graph and copies of the
+post-grad graph before and after the kimi passes.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch._higher_order_ops.auto_functionalize import (
+    auto_functionalized,
+    auto_functionalized_v2,
+)
+from torch.fx import Graph, GraphModule, Node
+
+from kimi_passes.backend import KimiBackend, KimiPassManager, make_kimi_backend
+
+VIEWS = ("full", "skeleton")
+KIMI_OPS = ("attn_res", "attn_res_capture", "attn_res_mix", "aux_tap")
+_AUTO_FUNCTIONALIZED = (auto_functionalized, auto_functionalized_v2)
+
+_DTYPES = {
+    torch.float64: "f64", torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
+    torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8",
+    torch.uint8: "ui8", torch.bool: "b8", torch.complex64: "c64",
+}
+# The view keywords auto_functionalized_v2 adds for a mutated argument that is a view.
+_VIEW_KEYS = ("size", "stride", "storage_offset", "slice_dim", "slice_start", "slice_end")
+
+
+def graph_text(gm_or_graph: GraphModule | Graph, view: str = "full", names=None) -> str:
+    """The normalised text of a graph (see the module docstring).
+
+    ``names``: what to call the graph's inputs, as a mapping ``{input index: name}``
+    or a sequence (e.g. ``GraphRecorder``'s Dynamo-derived names, or a model's
+    ``named_parameters()`` order). Without it, inputs carrying Dynamo's source
+    (``grapharg``) or an AOT descriptor with a target are named from it; the rest
+    are ``in<i>``. An AOT input (``PlainAOTInput(idx)``) is looked up by its index.
+    SymInt inputs are always named by their symbol (``s0``).
+    """
+    if view not in VIEWS:
+        raise ValueError(f"graph_text: unknown view {view!r}; use one of {list(VIEWS)}")
+    graph = gm_or_graph.graph if isinstance(gm_or_graph, GraphModule) else gm_or_graph
+    return _Printer(graph, view, _as_mapping(names)).text()
+
+
+def is_kimi(node: Node) -> bool:
+    """A kimi op call, or an auto_functionalized node wrapping one."""
+    return _kimi_op(node) is not None
+
+
+def kimi_op_counts(gm_or_graph: GraphModule | Graph) -> dict[str, int]:
+    """How many calls of each kimi op (``KIMI_OPS``) the graph holds, functionalized or not."""
+    graph = gm_or_graph.graph if isinstance(gm_or_graph, GraphModule) else gm_or_graph
+    counts = dict.fromkeys(KIMI_OPS, 0)
+    for node in graph.nodes:
+        op = _kimi_op(node)
+        if op is not None:
+            counts[op._opname] = counts.get(op._opname, 0) + 1
+    return counts
+
+
+def input_names(gm: GraphModule) -> dict[int, str]:
+    """Names for a Dynamo graph's inputs, by position: parameter names, ``x``, symbols.
+
+    ``L['self']._modules['layers']._modules['0']._parameters['weight']`` becomes
+    ``layers.0.weight``; ``L['x']`` becomes ``x``. Inputs with no Dynamo source
+    are left out (``graph_text`` then names them ``in<i>``).
+    """
+    names = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i, node in enumerate(placeholders):
+        name = _source_name(node)
+        if name is not None:
+            names[i] = name
+    return names
+
+
+def _as_mapping(names) -> dict[int, str]:
+    if names is None:
+        return {}
+    if isinstance(names, dict):
+        return {int(k): str(v) for k, v in names.items()}
+    return {i: str(v) for i, v in enumerate(names)}
+
+
+def _source_name(node: Node) -> str | None:
+    arg = node.meta.get("grapharg")
+    source = getattr(arg, "source", None)
+    if source is None:
+        return None
+    text = source.name() if callable(source.name) else source.name
+    return _name_from_source(str(text))
+
+
+def _name_from_source(text: str) -> str | None:
+    m = re.match(r"^[LG]\[['\"]([^'\"]+)['\"]\](.*)$", text)
+    if m is None:
+        return None
+    head, rest = m.groups()
+    if "(" in rest:  # e.g. L['x'].size()[0]: a symbol, named by the printer
+        return None
+    parts = re.findall(r"\[['\"]?([^'\"\]]+)['\"]?\]", rest)
+    if head == "self" and parts:
+        return ".".join(parts)
+    return ".".join([head, *parts])
+
+
+def _kimi_op(node: Node):
+    if node.op != "call_function":
+        return None
+    target = node.target
+    if target in _AUTO_FUNCTIONALIZED and node.args:
+        target = node.args[0]
+    if isinstance(target, torch._ops.OpOverload) and target.namespace == "kimi":
+        return target
+    return None
+
+
+def _op_name(target) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        name = f"{target.namespace}.{target._opname}"
+        return name if target._overloadname == "default" else f"{name}.{target._overloadname}"
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return f"higher_order.{target.name()}"
+    if isinstance(target, str):
+        return target
+    module = getattr(target, "__module__", None) or ""
+    module = {"_operator": "operator", "builtins": ""}.get(module, module)
+    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", repr(target))
+    return f"{module}.{name}" if module else name
+
+
+def _first_use(text: str, name: str) -> int:
+    m = re.search(rf"\b{re.escape(name)}\b", text)
+    return m.start() if m else len(text)
+
+
+class _Symbols:
+    """Renames sympy symbols in order of first use: s0, s1, ... (u0, ... for unbacked)."""
+
+    def __init__(self):
+        self.names: dict[str, str] = {}
+        self.counts: dict[str, int] = {}
+
+    def expr(self, e) -> str:
+        import sympy
+
+        e = getattr(getattr(e, "node", None), "expr", e)  # SymInt -> sympy expression
+        if not isinstance(e, sympy.Basic):
+            return str(e)
+        text = str(e)
+        syms = sorted(e.free_symbols, key=lambda s: (_first_use(text, str(s)), str(s)))
+        mapping = {s: sympy.Symbol(self._name(str(s)), **s.assumptions0) for s in syms}
+        return str(e.xreplace(mapping))
+
+    def _name(self, old: str) -> str:
+        if old not in self.names:
+            prefix = old[0] if old[:1].isalpha() else "s"
+            i = self.counts.get(prefix, 0)
+            self.counts[prefix] = i + 1
+            self.names[old] = f"{prefix}{i}"
+        return self.names[old]
+
+
+class _Printer:
+    def __init__(self, graph: Graph, view: str, names: dict[int, str]):
+        self.graph, self.view, self.given = graph, view, names
+        self.symbols = _Symbols()
+        self.names: dict[Node, str] = {}
+        nodes = list(graph.nodes)
+        self.placeholders = [n for n in nodes if n.op == "placeholder"]
+        self.body = [n for n in nodes if n.op not in ("placeholder", "output")]
+        self.outputs = [n for n in nodes if n.op == "output"]
+        self.shown = set(self.body) if view == "full" else self._skeleton()
+
+    # -- which nodes a skeleton shows ------------------------------------------------------
+    def _skeleton(self) -> set[Node]:
+        kimi = {n for n in self.body if is_kimi(n)}
+        kimi |= {
+            n for n in self.body
+            if n.target is operator.getitem and isinstance(n.args[0], Node) and n.args[0] in kimi
+        }
+        shown = set(kimi)
+        for n in [*kimi, *self.outputs]:
+            for a in n.all_input_nodes:
+                if a.op != "placeholder":
+                    shown.add(a)
+        return shown
+
+    # -- naming ------------------------------------------------------------------------------
+    def _input_name(self, i: int, node: Node) -> str:
+        val = node.meta.get("val")
+        if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return self.symbols.expr(val)
+        desc = node.meta.get("desc")
+        idx = getattr(desc, "idx", None)
+        if isinstance(idx, int) and idx in self.given:
+            return self.given[idx]
+        if desc is None and i in self.given:
+            return self.given[i]
+        target = getattr(desc, "target", None)
+        if isinstance(target, str):
+            return target
+        return _source_name(node) or f"in{i}"
+
+    def _name_inputs(self) -> None:
+        used: set[str] = set()
+        for i, node in enumerate(self.placeholders):
+            name = self._input_name(i, node)
+            if name in used:
+                name = f"{name}#{i}"
+            used.add(name)
+            self.names[node] = name
+
+    # -- formatting --------------------------------------------------------------------------
+    def ref(self, node: Node) -> str:
+        return self.names.get(node, "_")
+
+    def fmt(self, a: Any) -> str:
+        if isinstance(a, Node):
+            return self.ref(a)
+        if isinstance(a, (list, tuple)):
+            inner = ", ".join(self.fmt(x) for x in a)
+            if isinstance(a, tuple):
+                return f"({inner},)" if len(a) == 1 else f"({inner})"
+            return f"[{inner}]"
+        if isinstance(a, dict):
+            return "{" + ", ".join(f"{k!r}: {self.fmt(v)}" for k, v in a.items()) + "}"
+        if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return self.symbols.expr(a)
+        if isinstance(a, torch.dtype):
+            return str(a)
+        if isinstance(a, torch.device):
+            return f"device({str(a)!r})"
+        if isinstance(a, (torch.memory_format, torch.layout)):
+            return str(a)
+        if isinstance(a, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
+            return _op_name(a)
+        if isinstance(a, float):
+            return repr(a)
+        if isinstance(a, slice):
+            return f"slice({self.fmt(a.start)}, {self.fmt(a.stop)}, {self.fmt(a.step)})"
+        if callable(a) and not isinstance(a, torch.Tensor):
+            return _op_name(a)
+        return repr(a)
+
+    def type_of(self, node: Node) -> str | None:
+        val = node.meta.get("val", node.meta.get("example_value"))
+        if isinstance(val, torch.Tensor):
+            dims = ", ".join(self.symbols.expr(d) for d in val.shape)
+            return f"{_DTYPES.get(val.dtype, str(val.dtype).replace('torch.', ''))}[{dims}]"
+        if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return f"Sym({self.symbols.expr(val)})"
+        return None
+
+    def call(self, node: Node) -> str:
+        target = node.target
+        if node.op == "get_attr":
+            return f"get_attr {target}"
+        if node.op == "call_method":
+            obj, *rest = node.args
+            return f"{self.fmt(obj)}.{target}({self._args(rest, node.kwargs)})"
+        if node.op == "call_module":
+            return f"{target}({self._args(node.args, node.kwargs)})"
+        if target in _AUTO_FUNCTIONALIZED:
+            return self._functional(node)
+        if target is operator.getitem and isinstance(node.args[0], Node):
+            base, index = node.args
+            if base.op == "call_function" and base.target in _AUTO_FUNCTIONALIZED:
+                return f"{self.ref(base)}.{_functional_output(base, index)}"
+            return f"{self.ref(base)}[{self.fmt(index)}]"
+        return f"{_op_name(target)}({self._args(node.args, node.kwargs)})"
+
+    def _args(self, args, kwargs) -> str:
+        parts = [self.fmt(a) for a in args]
+        parts += [f"{k}={self.fmt(v)}" for k, v in kwargs.items()]
+        return ", ".join(parts)
+
+    def _functional(self, node: Node) -> str:
+        """auto_functionalized(_v2)(op, ...) as ``op(<schema args>) [functional, mutates ...]``."""
+        op, kwargs = node.args[0], dict(node.kwargs)
+        mutated = _mutated_args(op)
+        parts = []
+        for arg in op._schema.arguments:
+            name = arg.name
+            if name in mutated and node.target is auto_functionalized_v2:
+                base = kwargs["_all_bases"][kwargs[f"_{name}_base_index"]]
+                view = {k: kwargs[f"_{name}_{k}"] for k in _VIEW_KEYS if f"_{name}_{k}" in kwargs}
+                text = self.fmt(base)
+                if view:
+                    text += ".view(" + ", ".join(
+                        f"{k}={self.fmt(v)}" for k, v in view.items()) + ")"
+                parts.append(f"{name}={text}")
+            elif name in kwargs:
+                parts.append(f"{name}={self.fmt(kwargs[name])}")
+        how = f"functional, mutates {', '.join(mutated)}" if mutated else "functional"
+        return f"{_op_name(op)}({', '.join(parts)}) [{how}]"
+
+    def line(self, node: Node) -> str:
+        t = self.type_of(node)
+        head = f"{self.names[node]}: {t}" if t else self.names[node]
+        if node.target is operator.getitem and node.op == "call_function":
+            return head  # named after what it reads: ``v3.ret[1]: f32[5, 16]``
+        return f"{head} = {self.call(node)}"
+
+    def _name_body_node(self, node: Node, i: int) -> int:
+        """Name ``node``; returns the next free number.
+
+        A getitem of a named node is named after what it reads (``v3.ret[1]``,
+        ``v3.updated.blocks``, ``v7[0]``) and takes no number, so adding or dropping
+        an output of a call does not renumber the rest of the graph.
+        """
+        if (node.op == "call_function" and node.target is operator.getitem
+                and isinstance(node.args[0], Node) and node.args[0] in self.names):
+            self.names[node] = self.call(node)
+            return i
+        self.names[node] = f"v{i}"
+        return i + 1
+
+    def text(self) -> str:
+        self._name_inputs()
+        lines = []
+        used = set(self.placeholders)
+        if self.view == "skeleton":
+            used = {a for n in [*self.shown, *self.outputs] for a in n.all_input_nodes
+                    if a.op == "placeholder"}
+        self.used_inputs = used
+        for node in self.placeholders:
+            if node in used:
+                t = self.type_of(node)
+                lines.append(f"input {self.names[node]}: {t}" if t else f"input {self.names[node]}")
+        hidden_inputs = len(self.placeholders) - len(used)
+        if hidden_inputs:
+            lines.append(f"... {hidden_inputs} more inputs")
+        i, folded = 0, 0
+        for node in self.body:
+            if node not in self.shown:
+                folded += 1
+                continue
+            if folded:
+                lines.append(f"... {folded} ops")
+                folded = 0
+            i = self._name_body_node(node, i)
+            lines.append(self.line(node))
+        if folded:
+            lines.append(f"... {folded} ops")
+        for node in self.outputs:
+            lines.append(f"return {self.fmt(node.args[0])}")
+        return "\n".join(lines) + "\n"
+
+
+def graph_dot(graphs: dict[str, tuple[Graph, Any]], view: str = "skeleton") -> str:
+    """Graphviz DOT text: one cluster per ``{label: (graph, names)}``, nodes as in ``view``.
+
+    Kimi ops are filled (captures and mixes orange, other AttnRes calls blue); edges
+    are the data flow between drawn nodes (folded runs are left out).
+    """
+    def quote(text: str) -> str:
+        text = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+        return f'"{text}"'
+
+    lines = ["digraph kimi {", "  rankdir=TB;",
+             '  node [shape=box, fontname="monospace", fontsize=9];']
+    for c, (label, (graph, names)) in enumerate(graphs.items()):
+        p = _Printer(graph, view, _as_mapping(names))
+        p.text()
+        lines.append(f"  subgraph cluster_{c} {{")
+        lines.append(f"    label={quote(label)};")
+        drawn: dict[Node, str] = {}
+        for node in [*p.placeholders, *p.body, *p.outputs]:
+            if node.op == "placeholder" and node not in p.used_inputs:
+                continue
+            if node.op not in ("placeholder", "output") and node not in p.shown:
+                continue
+            key = f"c{c}_{len(drawn)}"
+            drawn[node] = key
+            attrs = [f"label={quote(_dot_label(p, node))}"]
+            op = _kimi_op(node)
+            if op is not None:
+                orange = op._opname in ("attn_res_capture", "attn_res_mix", "aux_tap")
+                attrs += ["style=filled", f"fillcolor={'orange' if orange else 'lightblue'}"]
+            elif node.op == "placeholder":
+                attrs.append("shape=ellipse")
+            lines.append(f"    {key} [{', '.join(attrs)}];")
+            for a in node.all_input_nodes:
+                if a in drawn:
+                    lines.append(f"    {drawn[a]} -> {key};")
+        lines.append("  }")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def _dot_label(p: _Printer, node: Node) -> str:
+    if node.op == "placeholder":
+        return p.names[node]
+    if node.op == "output":
+        return "return"
+    op = _kimi_op(node)
+    if op is not None and node.target in _AUTO_FUNCTIONALIZED:
+        kw = node.kwargs
+        return (f"{p.names[node]} = {_op_name(op)}\nnum_blocks={kw.get('num_blocks')} "
+                f"block_write_idx={kw.get('block_write_idx')}")
+    if node.target is operator.getitem:
+        return p.names[node]
+    if op is not None:
+        return f"{p.names[node]} = {_op_name(op)}"
+    return f"{p.names[node]} = {_op_name(node.target)}"
+
+
+def _mutated_args(op) -> list[str]:
+    return [a.name for a in op._schema.arguments if a.alias_info is not None
+            and a.alias_info.is_write]
+
+
+def _functional_output(node: Node, index: int) -> str:
+    """What ``getitem(node, index)`` of an auto_functionalized(_v2) node reads."""
+    op, kwargs = node.args[0], node.kwargs
+    n_ret = len(op._schema.returns)
+    if index < n_ret:
+        return f"ret[{index}]"
+    mutated = _mutated_args(op)
+    if node.target is auto_functionalized_v2:
+        by_base = {kwargs.get(f"_{m}_base_index"): m for m in mutated}
+        name = by_base.get(index - n_ret)
+    else:
+        name = mutated[index - n_ret] if index - n_ret < len(mutated) else None
+    return f"updated.{name}" if name is not None else f"out[{index}]"
+
+
+def copy_graph(graph: Graph) -> Graph:
+    """A structural copy of ``graph`` (node metadata shared), safe from later mutation."""
+    new = Graph()
+    out, out_node = new.graph_copy(graph, {}, return_output_node=True)
+    result = new.output(out)
+    result.meta.update(out_node.meta)
+    return new
+
+
+# -- recording ---------------------------------------------------------------------------------
+
+
+@dataclass
+class RecordedGraph:
+    """One compiled graph: its input names and the post-grad graph around the kimi passes."""
+
+    names: dict[int, str] = field(default_factory=dict)
+    before: Graph | None = None
+    after: Graph | None = None
+    rewrites: list = field(default_factory=list)
+
+    def text(self, view: str = "full", stage: str = "after") -> str:
+        graph = self.before if stage == "before" else self.after
+        if graph is None:
+            raise ValueError(f"RecordedGraph: no {stage!r} graph was recorded")
+        return graph_text(graph, view, names=self.names)
+
+    def counts(self, stage: str = "after") -> dict[str, int]:
+        return kimi_op_counts(self.before if stage == "before" else self.after)
+
+
+class _RecordingPassManager(KimiPassManager):
+    def __init__(self, passes, recorder: GraphRecorder):
+        super().__init__(passes)
+        self.recorder = recorder
+
+    def __call__(self, graph: Graph) -> None:
+        record = self.recorder._current()
+        record.before = copy_graph(graph)
+        super().__call__(graph)
+        record.after = copy_graph(graph)
+        record.rewrites = [
+            r for p in self.passes for r in getattr(p, "last_rewrites", [])
+        ]
+
+
+class GraphRecorder:
+    """A ``torch.compile`` backend: ``KimiBackend`` that records each graph around its passes.
+
+        rec = GraphRecorder(make_kimi_backend(aux_stream="attn_res"))
+        torch.compile(model, backend=rec)(ids)
+        print(rec.last.text("skeleton"))
+
+    The FX graph cache must be off (``force_disable_caches``) for the passes to run.
+    """
+
+    def __init__(self, backend: KimiBackend | None = None, **backend_options):
+        self.backend = backend if backend is not None else make_kimi_backend(**backend_options)
+        self.backend.passes = _RecordingPassManager(self.backend.passes.passes, self)
+        self.graphs: list[RecordedGraph] = []
+        self._pending = False
+
+    def __call__(self, gm: GraphModule, example_inputs):
+        self.graphs.append(RecordedGraph(names=input_names(gm)))
+        self._pending = True
+        try:
+            return self.backend(gm, example_inputs)
+        finally:
+            self._pending = False
+
+    def _current(self) -> RecordedGraph:
+        if not self._pending or not self.graphs:  # installed without going through __call__
+            self.graphs.append(RecordedGraph())
+            self._pending = True
+        return self.graphs[-1]
+
+    @property
+    def aux_pass(self):
+        return self.backend.aux_pass
+
+    @property
+    def last(self) -> RecordedGraph:
+        if not self.graphs:
+            raise ValueError("GraphRecorder: nothing was compiled through this backend yet")
+        return self.graphs[-1]

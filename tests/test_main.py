@@ -1,0 +1,131 @@
+"""python -m kimi_passes: the main job's table, pipeline stages, refusal, dump, prefix stream.
+
+All but the first test pass --aten-fallback (no generated kernels: fast compiles; the
+passes and the post-grad graphs are the same). ``main([])`` runs real Inductor.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+from kimi_passes.__main__ import default_taps, main, make_stages
+
+FAST = ["--aten-fallback", "--layers", "3", "--hidden", "16", "--heads", "2", "--tokens", "6"]
+
+
+def rows(out: str) -> dict[int, list[str]]:
+    """The tap table's rows by capture id (columns split on runs of 2+ spaces)."""
+    table = {}
+    for line in out.splitlines():
+        cells = re.split(r"\s{2,}", line.strip())
+        if cells and cells[0].isdigit() and len(cells) >= 9:
+            table[int(cells[0])] = cells
+    return table
+
+
+def test_default_run(capsys):
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    table = rows(out)
+    assert sorted(table) == [0, 2, 3, 4]
+    assert all(r[-1] == "yes" for r in table.values()), out
+    assert all(r[3] == "attn_res" and r[4] == "fused" for r in table.values()), out
+    assert "output aggregation" in table[4][2]
+    assert "graph breaks: 0" in out
+    assert "recompiles: 0" in out
+    assert "compile time:" in out
+    assert "result: all 4 taps agree" in out
+
+
+def test_pipeline_with_final_stage(capsys):
+    args = [*FAST, "--stages", "2", "--taps", "0,1,3", "--block-size", "1"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    table = rows(out)
+    assert sorted(table) == [0, 1, 3]
+    assert table[0][1] == table[1][1] == "[0, 2)"
+    assert table[3][1] == "[2, 3)"
+    assert "layer 1 " in table[1][2]
+    assert "output aggregation" in table[3][2]  # the final stage's output aggregation
+    assert all(r[-1] == "yes" for r in table.values()), out
+    assert "stages [0, 2), [2, 3)" in out
+
+
+def test_boundary_tap_on_a_non_final_stage_is_refused(capsys):
+    assert main([*FAST, "--stages", "2", "--taps", "0,2"]) == 1
+    err = capsys.readouterr().err
+    assert "stage [0, 2)" in err
+    assert "AuxCaptureError: capture id 2 has no consumer in this graph" in err
+    assert "pipeline non-final stage owning layers [0, 2)" in err
+
+
+def test_dump_show_graph_and_svg(tmp_path, capsys, monkeypatch):
+    # a stand-in for graphviz's dot: copies the DOT text it is fed to the -o file
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake_dot = bin_dir / "dot"
+    fake_dot.write_text('#!/bin/sh\nwhile [ "$1" != "-o" ]; do shift; done\ncat > "$2"\n')
+    fake_dot.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    d, svg = tmp_path / "dump", tmp_path / "region.svg"
+    assert main([*FAST, "--dump", str(d), "--show-graph", "--svg", str(svg)]) == 0
+    out = capsys.readouterr().out
+    dot = svg.read_text()
+    assert dot.startswith("digraph kimi {")
+    assert 'label="stage [0, 3): before"' in dot and 'label="stage [0, 3): after"' in dot
+    assert dot.count("fillcolor=orange") == 3 + 2  # 3 aux_tap before; 2 captures after
+    assert f"wrote {svg}" in out
+    files = [p.name for p in d.iterdir()]
+    assert any("AuxStreamPass" in n and "before" in n for n in files), files
+    assert any("AuxStreamPass" in n and "after" in n for n in files), files
+    assert re.search(r"__compiled_fn_\d+\.post_grad\.1\.AuxStreamPass\.after\.\d+\.py", out)
+    assert "post-pass graph of stage [0, 3) (skeleton view):" in out
+    assert "kimi.attn_res_capture(" in out
+
+
+def test_prefix_stream(capsys):
+    assert main([*FAST, "--stream", "prefix"]) == 0
+    out = capsys.readouterr().out
+    table = rows(out)
+    assert sorted(table) == [0, 2, 3]
+    assert all(r[3] == "prefix" and r[4] == "running prefix" for r in table.values()), out
+    assert all(r[6] == "eager prefix" and r[7] == "1.0000" for r in table.values()), out
+    assert "compared with the eager model's running prefix value" in out
+
+
+def test_usage_errors(capsys):
+    assert main(["--stages", "9"]) == 2
+    assert "--stages: boundaries [9]" in capsys.readouterr().err
+    assert main(["--taps", "0,7"]) == 2
+    assert "aux_layer_ids (0, 7)" in capsys.readouterr().err
+    assert main(["--dtype", "fp8"]) == 2
+
+
+def test_svg_without_dot(monkeypatch, capsys):
+    monkeypatch.setattr("kimi_passes.__main__.shutil.which", lambda name: None)
+    assert main(["--svg", "x.svg"]) == 2
+    assert "graphviz's 'dot'" in capsys.readouterr().err
+
+
+def test_bench_subcommand_is_lazy(monkeypatch):
+    import sys
+    import types
+
+    seen = []
+    fake = types.ModuleType("kimi_passes.bench")
+    fake.main = lambda argv: seen.append(argv) or 0
+    monkeypatch.setitem(sys.modules, "kimi_passes.bench", fake)
+    assert main(["bench", "--quick"]) == 0
+    assert seen == [["--quick"]]
+
+
+def test_helpers():
+    assert default_taps(4, 2) == (0, 2, 3, 4)
+    assert default_taps(1, 1) == (0, 1)
+    assert make_stages([2], 4) == [(0, 2), (2, 4)]
+    assert make_stages([], 4) == [(0, 4)]
+    with pytest.raises(ValueError, match="strictly inside"):
+        make_stages([0], 4)
