@@ -219,12 +219,15 @@ class K3Model(nn.Module):
     Returns ``(hidden, aux)`` on the last stage (``hidden`` final-normed ``[T,H]``) and
     ``((prefix + pending, bank), aux)`` on a non-final stage; ``aux`` lists the taps
     of ``self.capture_ids`` (config order), each ``[T,H]``, marked with ``aux_tap``.
+    By default a stage taps every configured id in ``[start, end]``; a stage boundary
+    is then tapped on both sides and refused on the earlier one. ``capture_ids=`` picks
+    a stage's own subset (e.g. leave the boundary to the stage that owns that layer).
     ``ground_truth(...)`` is the same run with each tap computed model-side as the
     consumer's pre-norm mixture, like vLLM's fix.
     """
 
     def __init__(self, config: K3Config, start_layer: int = 0, end_layer: int | None = None,
-                 mixing: str = "op"):
+                 mixing: str = "op", capture_ids: tuple[int, ...] | None = None):
         super().__init__()
         L = config.num_layers
         end_layer = L if end_layer is None else end_layer
@@ -237,7 +240,15 @@ class K3Model(nn.Module):
         self.start, self.end = start_layer, end_layer
         self.is_first, self.is_last = start_layer == 0, end_layer == L
         self.bank_slots = cdiv(L, config.attn_res_block_size)  # NB, the same on every stage
-        self.capture_ids = tuple(k for k in config.aux_layer_ids if self.start <= k <= self.end)
+        visible = tuple(k for k in config.aux_layer_ids if self.start <= k <= self.end)
+        if capture_ids is not None:
+            capture_ids = tuple(capture_ids)
+            if any(k not in visible for k in capture_ids) or len(set(capture_ids)) != len(
+                    capture_ids):
+                raise ValueError(
+                    f"K3Model: capture_ids {capture_ids} must be distinct ids from the config's "
+                    f"aux_layer_ids that stage [{start_layer}, {end_layer}] can see: {visible}")
+        self.capture_ids = visible if capture_ids is None else capture_ids
         H, seed = config.hidden_size, config.seed
         if self.is_first:
             self.embed_tokens = nn.Embedding(config.vocab_size, H)

@@ -11,9 +11,12 @@ Stacks that own their backend (vLLM style) install the pass alone:
 from __future__ import annotations
 
 import torch
+from torch._dynamo.exc import BackendCompilerFailed
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from kimi_passes.aux_stream import AuxStreamPass
+from kimi_passes.errors import AuxCaptureError
+from kimi_passes.fusion import AttnResFusionPass
 from kimi_passes.stream import resolve_aux_stream
 
 BACKEND_NAME = "kimi"
@@ -39,16 +42,19 @@ class KimiPassManager(CustomGraphPass):
         return next(p for p in self.passes if isinstance(p, cls))
 
 
-def build_passes(aux_stream: str, fuse_capture: bool = True):
-    return KimiPassManager([AuxStreamPass(aux_stream, fuse=fuse_capture)])
+def build_passes(aux_stream: str, fuse_capture: bool = True, fuse_torch_mixing: bool = True):
+    """The pass list: AttnRes mixing fusion (``fuse_torch_mixing``), then the aux stream."""
+    passes = [AttnResFusionPass()] if fuse_torch_mixing else []
+    return KimiPassManager([*passes, AuxStreamPass(aux_stream, fuse=fuse_capture)])
 
 
 class KimiBackend:
     """A ``torch.compile`` backend: Inductor plus the kimi passes, options fixed at creation."""
 
-    def __init__(self, aux_stream=None, draft_config=None, fuse_capture=True, **inductor_config):
+    def __init__(self, aux_stream=None, draft_config=None, fuse_capture=True,
+                 fuse_torch_mixing=True, **inductor_config):
         self.aux_stream = resolve_aux_stream(aux_stream, draft_config)
-        self.passes = build_passes(self.aux_stream, fuse_capture)
+        self.passes = build_passes(self.aux_stream, fuse_capture, fuse_torch_mixing)
         self.inductor_config = inductor_config
 
     @property
@@ -59,7 +65,13 @@ class KimiBackend:
         from torch._inductor.compile_fx import compile_fx
 
         patches = {**self.inductor_config, "post_grad_custom_post_pass": self.passes}
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        try:
+            return compile_fx(gm, example_inputs, config_patches=patches)
+        except BackendCompilerFailed as e:
+            # Inductor wraps pass errors when the FX cache is off; hand ours on as they are.
+            if isinstance(e.inner_exception, AuxCaptureError):
+                raise e.inner_exception.with_traceback(None) from None
+            raise
 
     def __repr__(self) -> str:
         return f"KimiBackend(aux_stream={self.aux_stream!r})"
@@ -71,7 +83,8 @@ def make_kimi_backend(aux_stream: str | None = None, draft_config=None, **induct
     ``draft_config``: a drafter config dict, or the path of its config.json, whose
     ``aux_hidden_stream`` names the stream it was trained on. Extra keyword
     arguments are Inductor config patches (plus ``fuse_capture``, the aux-stream
-    pass's switch: False captures with a separate ``attn_res_mix`` read).
+    pass's switch: False captures with a separate ``attn_res_mix`` read; and
+    ``fuse_torch_mixing``: False leaves AttnRes mixing written in plain torch unfused).
     """
     return KimiBackend(aux_stream, draft_config, **inductor_config)
 
@@ -80,7 +93,8 @@ def kimi_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None 
     """Inductor with the aux-stream pass; stream resolved per compile (see ``make_kimi_backend``).
 
     ``torch.compile(m, backend="kimi", options={...})`` passes ``options`` here:
-    ``aux_stream``, ``draft_config``, ``fuse_capture`` and Inductor config patches.
+    ``aux_stream``, ``draft_config``, ``fuse_capture``, ``fuse_torch_mixing`` and Inductor
+    config patches.
     """
     return KimiBackend(**(options or {}))(gm, example_inputs)
 
