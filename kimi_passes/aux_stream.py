@@ -122,7 +122,9 @@ class AuxStreamPass(KimiGraphPass):
 
     def _rewrite(self, graph: torch.fx.Graph, tap: Node, geometry: _Geometry) -> TapRewrite:
         value, capture_id = tap.args
-        consumer = _find_consumer(graph, tap, geometry)
+        # The prefix stream needs no consumer (a boundary tap, or no AttnRes op at all, is
+        # served as is: the remedy the refusals name); one that is found is still checked.
+        consumer = _find_consumer(graph, tap, geometry, required=self.stream != "prefix")
         if self.stream == "prefix":
             new, fused = value, None
         elif isinstance(consumer, Node):  # an attn_res_mix already reads it
@@ -131,7 +133,10 @@ class AuxStreamPass(KimiGraphPass):
             new, fused = self._mixture(graph, consumer)
         tap.replace_all_uses_with(new)
         graph.erase_node(tap)
-        where = consumer.describe() if isinstance(consumer, AttnResCall) else consumer.name
+        if consumer is None:
+            where = "no consumer in this graph"
+        else:
+            where = consumer.describe() if isinstance(consumer, AttnResCall) else consumer.name
         return TapRewrite(capture_id, where, self.stream, fused)
 
     def _mixture(self, graph: torch.fx.Graph, call: AttnResCall) -> tuple[Node, bool]:
@@ -231,8 +236,10 @@ def _check_unique_ids(taps: list[Node], geometry: _Geometry) -> None:
         seen[k] = tap
 
 
-def _find_consumer(graph: torch.fx.Graph, tap: Node, geometry: _Geometry):
+def _find_consumer(graph: torch.fx.Graph, tap: Node, geometry: _Geometry, required=True):
     value, k = tap.args
+    if not required and (not geometry.has_attn_res or not find_consumers(graph, value)):
+        return None
     if not geometry.has_attn_res:
         raise AuxCaptureError(
             f"capture id {k}: the aux tap marker has no AttnRes op to mix with in this graph "

@@ -130,16 +130,56 @@ def mix_nodes(graph: torch.fx.Graph) -> list[Node]:
     return [n for n in graph.nodes if n.op == "call_function" and n.target is ATTN_RES_MIX]
 
 
+_CASTS = (torch.ops.prims.convert_element_type.default, aten._to_copy.default)
+_WIDTH = {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
+
+
+def _dtype(node):
+    val = node.meta.get("val") if isinstance(node, Node) else None
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
+def _sum_operands(node: Node) -> list | None:
+    """The operands ``[x, y]`` of a sum ``node`` computes in its own dtype, or None.
+
+    A plain ``add(x, y)``; or that sum done wider and rounded once into ``node``'s dtype,
+    as ``prefix.copy_(prefix.float() + delta.float())`` functionalizes for a bf16 prefix:
+    ``copy(dst, add(convert(x, f32), convert(y, f32)))`` or ``convert(add(..), bf16)``.
+    Both give ``round(x + y)``, what a bf16 ``add(x, y)`` computes (in fp32, rounded once).
+    """
+    if node.op != "call_function":
+        return None
+    if node.target is aten.add.Tensor and not node.kwargs:
+        return [root(x) for x in node.args]
+    if node.target is aten.copy.default and _dtype(node.args[0]) == _dtype(node):
+        wide = node.args[1]
+    elif node.target in _CASTS:
+        wide = node.args[0]
+    else:
+        return None
+    if not (isinstance(wide, Node) and wide.target is aten.add.Tensor and not wide.kwargs):
+        return None
+    narrow = _dtype(node)
+    operands = []
+    for x in wide.args:
+        if not (isinstance(x, Node) and x.target in _CASTS and isinstance(x.args[0], Node)):
+            return None
+        base = x.args[0]
+        if _dtype(base) != narrow or _WIDTH.get(_dtype(x), 0) <= _WIDTH.get(narrow, 9):
+            return None
+        operands.append(root(base))
+    return operands
+
+
 def _same_sum(a, b) -> bool:
     """True when ``a`` and ``b`` compute the same ``x + y`` from the same operands."""
     if not (isinstance(a, Node) and isinstance(b, Node)):
         return False
     if a is b:
         return True
-    adds = (aten.add.Tensor,)
-    if a.target not in adds or b.target not in adds or a.kwargs or b.kwargs:
+    ra, rb = _sum_operands(a), _sum_operands(b)
+    if ra is None or rb is None:
         return False
-    ra, rb = [root(x) for x in a.args], [root(x) for x in b.args]
     return ra == rb or ra == rb[::-1]
 
 

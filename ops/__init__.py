@@ -5,6 +5,7 @@ attn_res_mix, aux_tap}``.
 """
 
 from .library import attn_res, attn_res_capture, attn_res_mix, aux_tap_op
+from .mix_list import attn_res_mix_list  # noqa: F401  (registers kimi::attn_res_mix_list)
 from .reference import attn_res_mix_reference, attn_res_reference
 from .validate import AttnResArgumentError
 
