@@ -11,7 +11,7 @@ from .validate import AttnResArgumentError
 
 
 def attn_res_triton(*args, **kwargs):
-    """Launch the Triton ``attn_res`` kernel on the tensors' device (CPU needs TRITON_INTERPRET=1)."""
+    """Launch the Triton ``attn_res`` kernel on the tensors' device (CPU: TRITON_INTERPRET=1)."""
     from .triton_kernels import attn_res_triton as impl
 
     return impl(*args, **kwargs)

@@ -1,53 +1,85 @@
-"""CPU path of the AttnRes ops: reads each source in place, no copy of the bank.
+"""CPU path of the AttnRes ops: reads each source once, no copy of the bank.
 
 The plain-torch statement concatenates the sources (a full copy of the bank) and
-then runs RMSNorm, two matmuls and a softmax over that copy. Here the key norms
-and the query dots are read straight off the ``blocks`` view with batched
-reductions, and the weighted sum is one batched matmul over the same view.
-Low-precision inputs are upcast a chunk of rows at a time so the fp32 copy stays
-in cache and accumulation is fp32 throughout.
+then runs RMSNorm, two matmuls and a softmax over that copy, each pass over memory
+allocating a bank-sized temporary. Here the rows are processed a chunk at a time:
+the chunk's sources (``blocks[t0:t1, :num_blocks]`` and the prefix rows, after the
+in-place delta add and block write) are upcast into one small fp32 staging buffer
+that stays in cache, and every later pass (query dots, key norms, softmax, weighted
+sum, output norm) reads that buffer, not memory. All scratch space is allocated
+once per call and reused through ``out=`` variants: fresh multi-MB allocations
+cost page faults on every call. Accumulation is fp32 throughout; the outputs are
+rounded to the input dtype once.
 """
 
 from __future__ import annotations
 
 import torch
 
-# Rows per chunk are sized so one chunk's fp32 upcast is about this many bytes.
-_CHUNK_BYTES = 4 << 20
+# Rows per chunk are sized so the chunk's fp32 staging buffer is about this many bytes.
+_CHUNK_BYTES = 8 << 20
 
 
-def _mix_rows(prefix32, src32, w, eps):
-    """fp32 mixture for a row range. prefix32 [C,H], src32 [C,nb,H] (or None)."""
-    H = prefix32.shape[-1]
-    lp = (prefix32 @ w) * torch.rsqrt(prefix32.square().sum(-1) / H + eps)
-    if src32 is None:
-        return prefix32
-    lb = (src32 @ w) * torch.rsqrt(torch.linalg.vector_norm(src32, dim=-1).square() / H + eps)
-    p = torch.cat([lb, lp[:, None]], dim=1).softmax(-1)
-    mixed = torch.bmm(p[:, None, :-1], src32)[:, 0]
-    return mixed.add_(prefix32 * p[:, -1:])
+def _chunk_rows(T: int, n_src: int, H: int) -> int:
+    return max(1, min(T, _CHUNK_BYTES // (n_src * H * 4)))
+
+
+def _attn_res_rows(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
+                   num_blocks, block_write_idx, eps, output_norm_eps, out, mixed):
+    """Fill ``out`` (and ``mixed``, the pre-norm mixture, when not None) chunk by chunk."""
+    T, H = prefix.shape
+    nb, n = num_blocks, num_blocks + 1
+    f32, dev = torch.float32, prefix.device
+    rows = _chunk_rows(T, n, H)
+    direct = prefix.dtype == f32 and output_norm_weight is None  # mixture lands in ``out``
+    if nb:
+        w = norm_weight.to(f32) * qk_weight.to(f32)
+        stage = torch.empty((rows, n, H), dtype=f32, device=dev)
+        logits = torch.empty((rows, n), dtype=f32, device=dev)
+        inv = torch.empty((rows, n), dtype=f32, device=dev)
+    onw = None if output_norm_weight is None else output_norm_weight.to(f32)
+    mix_buf = None if direct else torch.empty((rows, H), dtype=f32, device=dev)
+    scale = torch.empty((rows, 1), dtype=f32, device=dev)
+    for t0 in range(0, T, rows):
+        t1 = min(T, t0 + rows)
+        C = t1 - t0
+        x = prefix[t0:t1]
+        if delta is not None:
+            x.add_(delta[t0:t1])  # low precision: fp32 add, one rounding (as the reference)
+        if block_write_idx >= 0:
+            blocks[t0:t1, block_write_idx].copy_(x)
+        m = out[t0:t1] if direct else mix_buf[:C]
+        if nb == 0:
+            m.copy_(x)  # a single source gets softmax weight 1
+        else:
+            v = stage[:C]
+            torch.cat((blocks[t0:t1, :nb], x.unsqueeze(1)), dim=1, out=v)  # chunk-sized stage
+            lg, r = logits[:C], inv[:C]
+            torch.mv(v.view(C * n, H), w, out=lg.view(C * n))
+            torch.linalg.vector_norm(v, dim=-1, out=r)
+            lg.mul_(r.square_().div_(H).add_(eps).rsqrt_())
+            p = torch.softmax(lg, dim=-1)
+            torch.bmm(p.unsqueeze(1), v, out=m.unsqueeze(1))
+        if direct:
+            continue
+        if mixed is not None:
+            mixed[t0:t1].copy_(m)
+        if onw is None:
+            out[t0:t1].copy_(m)
+            continue
+        s = scale[:C]
+        torch.linalg.vector_norm(m, dim=-1, keepdim=True, out=s)
+        s.square_().div_(H).add_(output_norm_eps).rsqrt_()
+        torch.mul(m.mul_(s), onw, out=out[t0:t1])  # rounds to the output dtype once
 
 
 def mix_cpu(prefix, blocks, norm_weight, qk_weight, num_blocks, eps) -> torch.Tensor:
-    """fp32 pre-norm mixture of ``blocks[:, :num_blocks]`` then ``prefix``."""
-    T, H = prefix.shape
-    if num_blocks == 0 or T == 0:
-        # A single source gets softmax weight 1: the mixture is the prefix itself.
-        return prefix.float()
-    w = norm_weight.float() * qk_weight.float()
-    src = blocks[:, :num_blocks]
-    if prefix.dtype == torch.float32:
-        return _mix_rows(prefix, src, w, eps)
-    out = torch.empty((T, H), dtype=torch.float32, device=prefix.device)
-    rows = max(1, _CHUNK_BYTES // ((num_blocks + 1) * H * 4))
-    for t0 in range(0, T, rows):
-        t1 = min(T, t0 + rows)
-        out[t0:t1] = _mix_rows(prefix[t0:t1].float(), src[t0:t1].float(), w, eps)
+    """Pre-norm mixture of ``blocks[:, :num_blocks]`` then ``prefix``, a new
+    ``prefix.dtype`` tensor (fp32 accumulation)."""
+    out = torch.empty(prefix.shape, dtype=prefix.dtype, device=prefix.device)
+    _attn_res_rows(prefix, None, blocks, norm_weight, qk_weight, None, num_blocks, -1, eps,
+                   0.0, out, None)
     return out
-
-
-def _rms_norm32(x32, weight, eps):
-    return x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps) * weight.float()
 
 
 def attn_res_cpu(
@@ -61,21 +93,18 @@ def attn_res_cpu(
     block_write_idx,
     eps,
     output_norm_eps,
+    *,
+    capture: bool = True,
 ):
-    """Returns ``(out, mixed)``; mutates prefix (delta) and blocks (write) in place."""
-    if delta is not None:
-        if prefix.dtype == torch.float32:
-            prefix.add_(delta)
-        else:
-            prefix.copy_(prefix.float().add_(delta.float()))
-    if block_write_idx >= 0:
-        blocks[:, block_write_idx].copy_(prefix)
-    mixed32 = mix_cpu(prefix, blocks, norm_weight, qk_weight, num_blocks, eps)
-    mixed = mixed32.to(prefix.dtype)
-    if mixed is prefix:
-        # The nb == 0 fp32 mixture is the prefix itself; an op may not return an alias.
-        mixed = mixed.clone()
-    if output_norm_weight is None:
-        return mixed, mixed
-    out = _rms_norm32(mixed32, output_norm_weight, output_norm_eps).to(prefix.dtype)
-    return out, mixed
+    """Returns ``(out, mixed)``; mutates prefix (delta) and blocks (write) in place.
+
+    ``mixed`` is ``out`` itself when there is no output norm, and None when the
+    caller does not capture (``capture=False``) and there is an output norm.
+    """
+    out = torch.empty(prefix.shape, dtype=prefix.dtype, device=prefix.device)
+    mixed = None
+    if capture and output_norm_weight is not None:
+        mixed = torch.empty_like(out)
+    _attn_res_rows(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
+                   num_blocks, block_write_idx, eps, output_norm_eps, out, mixed)
+    return out, (out if output_norm_weight is None else mixed)

@@ -39,7 +39,7 @@ def attn_res(
     args = (prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
             num_blocks, block_write_idx, eps, output_norm_eps)
     validate_sources(*args)
-    return attn_res_cpu(*args)[0]
+    return attn_res_cpu(*args, capture=False)[0]
 
 
 @torch.library.custom_op("kimi::attn_res_capture", mutates_args=_MUTATED, device_types="cpu")

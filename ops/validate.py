@@ -109,5 +109,5 @@ def validate_tap(x: torch.Tensor, capture_id: int) -> None:
         )
     if x.dim() < 1:
         raise AttnResArgumentError(
-            f"kimi aux_tap: x must be a hidden-state tensor [..., H], got a 0-D tensor"
+            "kimi aux_tap: x must be a hidden-state tensor [..., H], got a 0-D tensor"
         )

@@ -1,0 +1,111 @@
+"""A shared on-disk Inductor cache never serves a graph compiled under another stream.
+
+Three separate Python processes, one after another, share one cache directory
+(``TORCHINDUCTOR_CACHE_DIR=tmp_path``; FX graph cache and AOTAutograd cache on,
+``force_disable_caches`` off): they compile the tiny K3 in the attn_res stream, then the
+prefix stream, then attn_res again. Each prints, as JSON, how far its taps are from each
+stream's expected values (``ground_truth`` for attn_res, the eager forward's running
+prefix for prefix) and its ``counters["inductor"]`` / ``counters["aot_autograd"]``.
+
+Asserted: every process gets its own stream's taps; no cache bypass anywhere (the pass
+manager is a ``CustomGraphPass`` with a ``uuid()``); the first two miss; the third is
+served from the cache (``fxgraph_cache_hit >= 1``) and still gets attn_res taps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = r"""
+import json, sys
+import torch
+from torch._dynamo.utils import counters
+from torch._inductor import config as inductor_config
+
+import kimi_passes
+from kimi_passes.graphs.k3 import K3Config, K3Model
+
+stream = sys.argv[1]
+inductor_config.fx_graph_cache = True
+inductor_config.force_disable_caches = False
+inductor_config.compile_threads = 1
+torch._functorch.config.enable_autograd_cache = True
+
+cfg = K3Config(num_layers=2, hidden_size=16, attn_res_block_size=1, num_heads=2,
+               intermediate_size=32, vocab_size=64, aux_layer_ids=(0, 1, 2))
+model = K3Model(cfg)
+x = torch.arange(7) % cfg.vocab_size
+with torch.no_grad():
+    _, prefix = model(x)  # eager aux_tap is the identity: the running prefix
+    _, mixed = model.ground_truth(x)
+    backend = kimi_passes.make_kimi_backend(aux_stream=stream)
+    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
+    _, got = compiled(x)
+
+def err(a, b):
+    return [float((p - q).abs().max()) for p, q in zip(a, b, strict=True)]
+
+print("RESULT " + json.dumps({
+    "stream": stream,
+    "capture_ids": list(model.capture_ids),
+    "err_vs_attn_res": err(got, mixed),
+    "err_vs_prefix": err(got, prefix),
+    "attn_res_vs_prefix": err(mixed, prefix),
+    "inductor": dict(counters["inductor"]),
+    "aot_autograd": dict(counters["aot_autograd"]),
+}))
+"""
+
+TOL = 1e-5
+TIMEOUT_S = 300
+
+
+def run_stream(stream: str, cache_dir) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("TORCHINDUCTOR_", "KIMI_PASSES_"))}
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, stream], env=env, capture_output=True,
+                          text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, f"{stream} process failed:\n{proc.stderr[-4000:]}"
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert len(lines) == 1, proc.stdout
+    return json.loads(lines[0].removeprefix("RESULT "))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    cache_dir = tmp_path_factory.mktemp("inductor_cache")
+    return [run_stream(s, cache_dir) for s in ("attn_res", "prefix", "attn_res")]
+
+
+def test_each_process_gets_its_own_streams_taps(runs):
+    for i, r in enumerate(runs):
+        own = r["err_vs_attn_res"] if r["stream"] == "attn_res" else r["err_vs_prefix"]
+        other = r["err_vs_prefix"] if r["stream"] == "attn_res" else r["err_vs_attn_res"]
+        assert max(own) <= TOL, f"process {i} ({r['stream']}): {r}"
+        # The two streams are told apart: some tap differs by far more than the tolerance.
+        assert max(other) > 1e-2, f"process {i}: streams indistinguishable: {r}"
+
+
+def test_no_bypass_and_the_third_process_hits_the_cache(runs):
+    first, second, third = (r["inductor"] for r in runs)
+    for i, c in enumerate((first, second, third)):
+        assert c.get("fxgraph_cache_bypass", 0) == 0, f"process {i} bypassed: {runs[i]}"
+    assert first.get("fxgraph_cache_miss", 0) >= 1 and first.get("fxgraph_cache_hit", 0) == 0
+    # Another stream, another uuid(), another key: the attn_res graph is not served.
+    assert second.get("fxgraph_cache_miss", 0) >= 1 and second.get("fxgraph_cache_hit", 0) == 0
+    assert third.get("fxgraph_cache_hit", 0) >= 1, runs[2]
+    assert third.get("fxgraph_cache_miss", 0) == 0, runs[2]
+
+
+def test_aot_autograd_cache_agrees(runs):
+    """Recorded alongside: the AOTAutograd cache (keyed on the same pass uuid) never
+    bypasses, and whatever it serves in the third process is the attn_res graph."""
+    for i, r in enumerate(runs):
+        assert r["aot_autograd"].get("autograd_cache_bypass", 0) == 0, f"process {i}: {r}"
+    assert runs[1]["aot_autograd"].get("autograd_cache_hit", 0) == 0, runs[1]
