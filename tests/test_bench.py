@@ -1,0 +1,62 @@
+"""Smoke test of ``kimi_passes.bench``: it runs and writes the documented JSON fields.
+
+Never asserts timings (the machine may be shared); only structure and correctness.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from kimi_passes import bench
+
+
+def test_op_smoke(tmp_path):
+    out = tmp_path / "bench.json"
+    rc = bench.main(["--quick", "--only", "op", "--T", "1", "8", "--H", "64", "--blocks", "2",
+                     "--dtypes", "float32", "bfloat16", "--variants", "read", "full",
+                     "--no-compiled", "--rounds", "2", "--block-ms", "1", "--threads", "1",
+                     "--no-plot", "--out", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["sections"] == ["op"] and res["mode"] == "quick"
+    for key in ("date", "torch", "cpu", "cpu_count", "device", "loadavg_start"):
+        assert key in res["machine"]
+    rows = res["op"]["rows"]
+    assert {(r["dtype"], r["variant"], r["T"]) for r in rows} == {
+        (d, v, t) for d in ("float32", "bfloat16") for v in ("read", "full") for t in (1, 8)}
+    for r in rows:
+        assert r["H"] == 64 and r["nb"] == 2
+        assert r["bytes"] == bench.op_bytes(r["T"], 64, 2, bench.DTYPES[r["dtype"]], r["variant"])
+        for name in ("op", "eager", "copy"):
+            t = r["time_s"][name]
+            assert t["n"] == 2 and t["min"] <= t["median"] <= t["max"]
+            assert r["gbps"][name] > 0
+        for key in ("roofline", "op_vs_eager"):
+            assert r[key]["median"] > 0 and r[key]["q1"] <= r[key]["q3"]
+        assert r["op_vs_compiled"] is None and "compiled" in r["notes"]
+        tol = 1e-5 if r["dtype"] == "float32" else 2e-2
+        assert r["max_rel_err"]["op"] <= tol
+    assert res["targets"] == []  # CPU op rows carry no target
+
+
+def test_op_bytes_counts_each_stream_once():
+    # read: nb blocks + prefix read, out written; full adds delta read, prefix write-back,
+    # the block write and the output norm weight.
+    T, H, nb = 8, 16, 3
+    assert bench.op_bytes(T, H, nb, torch.float32, "read") == 4 * (T * H * (nb + 2) + 2 * H)
+    assert bench.op_bytes(T, H, nb, torch.bfloat16, "full") == 2 * (T * H * (nb + 5) + 3 * H)
+
+
+def test_unknown_section_is_refused(capsys):
+    assert bench.main(["--only", "op,nope"]) == 2
+    assert "nope" in capsys.readouterr().err
+
+
+def test_linear_fit_and_summary():
+    fit = bench.linear_fit([1, 2, 3, 4], [3, 5, 7, 9])
+    assert abs(fit["slope"] - 2) < 1e-12 and abs(fit["intercept"] - 1) < 1e-12
+    assert abs(fit["r2"] - 1) < 1e-12
+    s = bench.summary([3.0, 1.0, 2.0])
+    assert (s["min"], s["median"], s["max"], s["n"]) == (1.0, 2.0, 3.0, 3)

@@ -1,0 +1,156 @@
+#!/usr/bin/env bash
+# One-command GPU check for a session lent a GPU (an H200): run it as
+#
+#     bash tools/gpu_check.sh
+#
+# from the repository root (any cwd works). No network is used: nothing is pip-installed.
+# The machine is expected to have torch (2.11+) and triton (3.6+) preinstalled; pytest is
+# used when present. Results (JSON + text + a log) go to $OUT when set (the device runner
+# sets it), else ./gpu_results. Total budget ~7.5 minutes (GPU_CHECK_BUDGET seconds), every
+# step under `timeout`; later steps shrink or are skipped when time runs short.
+#
+# Steps:
+#   1. versions, nvidia-smi, where kimi_passes imports from
+#   2. CUDA tests: pytest tests -k cuda (tests/test_cuda.py: the op on CUDA = Triton dispatch
+#      vs the reference for fp32/bf16/fp16 with its in-place effects, opcheck on CUDA, the
+#      tiny K3 compiled with kimi_backend on CUDA with taps vs ground truth)
+#   3. op benchmark on CUDA at the headline shape (T=8192, H=7168, 8 blocks, bf16; read and
+#      full variants): roofline ratio (target >= 0.9 of a same-bytes device copy), the
+#      Triton path, eager and torch.compile baselines, the PyPI peers flash-attn-res /
+#      fast-attnres when installed
+#   4. a T sweep (1, 128, 1024) at H=7168 (no compiled baseline: its compiles cost minutes)
+#   5. peers at a power-of-two width (flash-attn-res needs one) and the fp32 headline
+#   6. (if time is left) the tap section on CUDA with a small K3
+#
+# Importing without installing: setuptools maps ops/ -> kimi_passes.ops and
+# graphs/ -> kimi_passes.graphs, so the repository root on PYTHONPATH is not enough, and an
+# editable install needs setuptools and a build step. Instead a temporary directory holds a
+# kimi_passes/ of symlinks (the files of kimi_passes/, plus ops -> ops/ and graphs ->
+# graphs/) and goes first on PYTHONPATH. Python commands run with that directory as cwd,
+# because `python -m`/`-c` put the cwd first on sys.path and the repository's own
+# kimi_passes/ (without ops/) would shadow the shim.
+set -uo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+RESULTS="${OUT:-$REPO/gpu_results}"
+mkdir -p "$RESULTS"
+RESULTS="$(cd "$RESULTS" && pwd)"
+BUDGET="${GPU_CHECK_BUDGET:-450}"
+PY="${PYTHON:-$(command -v python || command -v python3)}"
+exec > >(tee -a "$RESULTS/gpu_check.log") 2>&1
+
+START=$SECONDS
+STATUS=()
+
+# The CPU tests' conftest sets TRITON_INTERPRET=1 unless it is set; on the GPU every Triton
+# kernel (ours and Inductor's) must be compiled. The kimi kernel picks its mode per device
+# whatever this says; Inductor's kernels follow it.
+export TRITON_INTERPRET=0
+export PYTHONUNBUFFERED=1
+
+SHIM="$(mktemp -d)"
+trap 'rm -rf "$SHIM"' EXIT
+mkdir "$SHIM/kimi_passes"
+for f in "$REPO"/kimi_passes/*; do
+    case "$(basename "$f")" in __pycache__) continue ;; esac
+    ln -sfn "$f" "$SHIM/kimi_passes/"
+done
+ln -sfn "$REPO/ops" "$SHIM/kimi_passes/ops"
+ln -sfn "$REPO/graphs" "$SHIM/kimi_passes/graphs"
+export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
+cd "$SHIM" || exit 1
+
+left() { echo $((BUDGET - (SECONDS - START))); }
+
+# step NAME LIMIT CMD...: run CMD under timeout min(LIMIT, time left - 15s).
+step() {
+    local name="$1" limit="$2"
+    shift 2
+    local remaining=$(($(left) - 15))
+    if ((remaining < 30)); then
+        echo "=== $name: SKIPPED (only $(left)s of the budget left) ==="
+        STATUS+=("$name: skipped (budget)")
+        return 0
+    fi
+    ((limit > remaining)) && limit=$remaining
+    echo
+    echo "=== $name (timeout ${limit}s, $(left)s of the budget left) ==="
+    local t0=$SECONDS
+    # timeout runs programs, not shell functions: a child bash gets the exported ones.
+    timeout --kill-after=10 "$limit" bash -c '"$@"' "$name" "$@"
+    local rc=$?
+    local how="rc=$rc"
+    ((rc == 124 || rc == 137)) && how="TIMED OUT after ${limit}s"
+    echo "=== $name: $how in $((SECONDS - t0))s ==="
+    STATUS+=("$name: $how ($((SECONDS - t0))s)")
+    return 0
+}
+
+info() {
+    date -u
+    nvidia-smi || echo "nvidia-smi not found"
+    "$PY" - <<'EOF'
+import importlib, platform, sys
+import torch
+print("python", platform.python_version(), sys.executable)
+print("torch", torch.__version__, "cuda", torch.version.cuda,
+      "available", torch.cuda.is_available())
+if torch.cuda.is_available():
+    print("device", torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))
+for mod in ("triton", "pytest", "matplotlib", "flash_attn_res", "attnres", "kimi_passes"):
+    try:
+        m = importlib.import_module(mod)
+        print(f"{mod:>15}: {getattr(m, '__version__', '?')} at {getattr(m, '__file__', '?')}")
+    except Exception as e:  # noqa: BLE001
+        print(f"{mod:>15}: not importable ({type(e).__name__}: {e})")
+import kimi_passes.ops, kimi_passes.graphs  # noqa: E401  the shim must map both
+print("kimi ops:", [n for n in dir(torch.ops.kimi) if not n.startswith("_")][:8])
+EOF
+}
+
+tests() {
+    if ! "$PY" -c "import pytest" 2>/dev/null; then
+        echo "pytest is not installed here: CUDA tests not run (the op benchmark below"
+        echo "still checks each candidate against the fp32 reference)"
+        return 3
+    fi
+    "$PY" -m pytest "$REPO/tests" -k cuda -q -rs -p no:cacheprovider \
+        --rootdir "$REPO" --continue-on-collection-errors \
+        --junitxml "$RESULTS/tests_cuda.xml"
+}
+
+bench() {
+    "$PY" "$REPO/tools/bench.py" --device cuda "$@"
+}
+
+export REPO RESULTS PY
+export -f info tests bench
+
+step "info" 60 info
+step "cuda tests" 180 tests
+step "op bench: the headline shape T=8192 H=7168 nb=8 bf16 (target roof >= 0.9)" 150 \
+    bench --only op --T 8192 --H 7168 --blocks 8 --dtypes bfloat16 --variants read full \
+    --out "$RESULTS/op_headline.json" --text "$RESULTS/op_headline.txt"
+step "op bench: T sweep at H=7168 nb=8 bf16" 90 \
+    bench --only op --T 1 128 1024 --H 7168 --blocks 8 --dtypes bfloat16 \
+    --variants read full --no-compiled --out "$RESULTS/op_sweep.json" \
+    --text "$RESULTS/op_sweep.txt"
+step "op bench: peers at H=4096 (flash-attn-res needs a power of 2) and fp32" 100 \
+    bench --only op --T 8192 --H 4096 7168 --blocks 8 --dtypes bfloat16 float32 \
+    --variants read --no-compiled --out "$RESULTS/op_peers.json" --text "$RESULTS/op_peers.txt"
+step "tap bench (small K3 on CUDA)" 150 \
+    bench --only tap --quick --out "$RESULTS/tap.json" --text "$RESULTS/tap.txt"
+
+echo
+echo "=== summary ($((SECONDS - START))s) ==="
+for s in "${STATUS[@]}"; do echo "  $s"; done
+grep -h -E "^ +(MET|MISS) " "$RESULTS"/*.txt 2>/dev/null | sort -u
+{
+    for s in "${STATUS[@]}"; do echo "$s"; done
+    grep -h -E "^ +(MET|MISS) " "$RESULTS"/*.txt 2>/dev/null | sort -u
+} > "$RESULTS/summary.txt"
+echo "results in $RESULTS"
+for s in "${STATUS[@]}"; do
+    case "$s" in *"rc=0"*|*"skipped"*) ;; *) exit 1 ;; esac
+done
+exit 0
