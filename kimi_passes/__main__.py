@@ -218,10 +218,11 @@ def _run(args, cfg, stages) -> int:
             t0 = time.perf_counter()
             try:
                 out, taps = compiled(*inputs)
-            except BackendCompilerFailed as e:
-                if isinstance(e.inner_exception, AuxCaptureError):
+            except (AuxCaptureError, BackendCompilerFailed) as e:
+                error = getattr(e, "inner_exception", e)
+                if isinstance(error, AuxCaptureError):
                     print(f"kimi-passes: stage {name}: the aux-stream pass refused the "
-                          f"compile:\nAuxCaptureError: {e.inner_exception}", file=sys.stderr)
+                          f"compile:\nAuxCaptureError: {error}", file=sys.stderr)
                     return 1
                 raise
             times.append((name, time.perf_counter() - t0))

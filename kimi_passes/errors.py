@@ -18,7 +18,12 @@ class AuxCaptureError(_Base):
     """
 
     def __init__(self, message: str):
+        self.message = message
         if _Base is RuntimeError:
             super().__init__(message)
         else:
             super().__init__(message, first_useful_frame=None)
+
+    def __str__(self) -> str:
+        # Dynamo appends its own debugging hints to args[0]; the message stands alone.
+        return self.message

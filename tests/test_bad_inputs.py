@@ -499,7 +499,7 @@ def test_every_validation_rule_has_a_row(monkeypatch, tmp_path):
 
     from kimi_passes.ops import validate
 
-    templates = re.findall(r'f"(kimi (?:attn_res|aux_tap): [^"]*)"', inspect.getsource(validate))
+    templates = re.findall(r'f?"(kimi (?:attn_res|aux_tap): [^"]*)"', inspect.getsource(validate))
     assert len(templates) >= 11, templates
     messages = []
     for case in op_cases() + TAP_CASES[:5]:
