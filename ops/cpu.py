@@ -21,7 +21,10 @@ _CHUNK_BYTES = 8 << 20
 
 
 def _chunk_rows(T: int, n_src: int, H: int) -> int:
-    return max(1, min(T, _CHUNK_BYTES // (n_src * H * 4)))
+    """Rows per chunk: at most ``_CHUNK_BYTES`` of fp32 staging, chunks of equal size."""
+    rows = max(1, min(T, _CHUNK_BYTES // (n_src * H * 4)))
+    n_chunks = max(1, -(-T // rows))
+    return max(1, -(-T // n_chunks))
 
 
 def _attn_res_rows(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,

@@ -2,8 +2,9 @@
 
 The baseline is what a user would write eagerly, in the input dtype: the in-place prefix
 update and block write, ``cat`` of the sources, ``F.rms_norm`` keys, two matmuls and a
-softmax, and the output RMSNorm. Run ``python tools/bench_cpu_op.py`` (2 threads, median
-of ``torch.utils.benchmark`` blocked-autorange runs); the ratio column is plain / op.
+softmax, and the output RMSNorm. Run ``python tools/bench_cpu_op.py`` (2 threads; medians
+of ``torch.utils.benchmark`` samples taken alternately from plain torch and the op); the
+ratio column is plain / op. On a busy machine pass ``--threads 1``.
 """
 
 from __future__ import annotations
@@ -80,8 +81,10 @@ def main(argv=None) -> None:
     op = torch.ops.kimi.attn_res
     load = os.getloadavg()[0]
     print(f"threads={a.threads}  cores={os.cpu_count()}  load average={load:.2f}")
-    if load > os.cpu_count() - 1:
-        print("warning: the machine is busy; OpenMP threads contend and timings are noisy")
+    if a.threads > 1 and load > os.cpu_count():
+        print(f"warning: load average {load:.1f} on {os.cpu_count()} CPUs: OpenMP threads wait "
+              "on the scheduler at every parallel region and timings are noise (the op runs "
+              "more, smaller regions than plain torch); use --threads 1")
     print(f"{'T':>5} {'H':>5} {'NB':>3} {'nb':>3} {'dtype':>9} {'flags':>14} "
           f"{'plain ms':>9} {'op ms':>8} {'ratio':>6}")
     worst = float("inf")
