@@ -14,27 +14,10 @@ import os
 import time
 
 import torch
-import torch.nn.functional as F
 import torch.utils.benchmark as benchmark
 
 import kimi_passes  # noqa: F401  (registers torch.ops.kimi.*)
-
-
-def plain_torch(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
-                num_blocks, block_write_idx, eps, output_norm_eps):
-    """DESIGN section 3 as plain eager torch, in the input dtype."""
-    H = prefix.shape[-1]
-    if delta is not None:
-        prefix.add_(delta)
-    if block_write_idx >= 0:
-        blocks[:, block_write_idx] = prefix
-    values = torch.cat([blocks[:, :num_blocks], prefix[:, None]], 1)
-    keys = F.rms_norm(values, (H,), norm_weight, eps)
-    p = (keys @ qk_weight).softmax(-1)
-    out = (p[:, None] @ values)[:, 0]
-    if output_norm_weight is not None:
-        out = F.rms_norm(out, (H,), output_norm_weight, output_norm_eps)
-    return out
+from kimi_passes.bench import plain_torch  # the eager baseline the bench tool uses
 
 
 def make_args(T, H, NB, nb, dtype, full):
