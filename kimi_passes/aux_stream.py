@@ -185,15 +185,20 @@ def _to_capture(graph: torch.fx.Graph, call: AttnResCall) -> AttnResCall:
         index = user.args[1]
         user.args = (new, index if index == 0 else index + 1)
     graph.erase_node(old)
-    return AttnResCall(new)
+    call.node = new  # in place: the geometry's list of calls stays current
+    return call
 
 
 class _Geometry:
     """What the graph says about the stage: its layers and the block size S."""
 
-    def __init__(self, calls: list[AttnResCall], has_mix: bool):
-        self.calls = calls
-        self.has_attn_res = bool(calls) or has_mix
+    def __init__(self, calls: list[AttnResCall], mixes: list[Node]):
+        self.calls, self.mixes = calls, mixes
+        self.has_attn_res = bool(calls) or bool(mixes)
+        # The first AttnRes call of each layer is its pre-attention mixing.
+        self._first: dict[int | None, AttnResCall] = {}
+        for c in calls:
+            self._first.setdefault(c.layer, c)
         layers = sorted({c.layer for c in calls if c.layer is not None})
         self.first_layer = layers[0] if layers else None
         self.last_layer = layers[-1] if layers else None
@@ -208,7 +213,7 @@ class _Geometry:
 
     @classmethod
     def of(cls, graph: torch.fx.Graph) -> _Geometry:
-        return cls(attn_res_calls(graph), bool(mix_nodes(graph)))
+        return cls(attn_res_calls(graph), mix_nodes(graph))
 
     def stage(self) -> str:
         if self.first_layer is None:
@@ -219,8 +224,7 @@ class _Geometry:
 
     def pre_attention(self, call: AttnResCall) -> bool:
         """Is ``call`` the first AttnRes call of its layer (the pre-attention mixing)?"""
-        same_layer = [c for c in self.calls if c.layer == call.layer]
-        return same_layer[0].node is call.node
+        return self._first.get(call.layer) is call
 
 
 def _check_unique_ids(taps: list[Node], geometry: _Geometry) -> None:
@@ -238,7 +242,8 @@ def _check_unique_ids(taps: list[Node], geometry: _Geometry) -> None:
 
 def _find_consumer(graph: torch.fx.Graph, tap: Node, geometry: _Geometry, required=True):
     value, k = tap.args
-    if not required and (not geometry.has_attn_res or not find_consumers(graph, value)):
+    found = find_consumers(graph, value, geometry.calls, geometry.mixes)
+    if not required and (not geometry.has_attn_res or not found):
         return None
     if not geometry.has_attn_res:
         raise AuxCaptureError(
@@ -247,7 +252,6 @@ def _find_consumer(graph: torch.fx.Graph, tap: Node, geometry: _Geometry, requir
             "AttnRes models: call the mixing through torch.ops.kimi.attn_res, or compile "
             "with aux_stream='prefix' if the legacy value is what the drafter wants"
         )
-    found = find_consumers(graph, value)
     if not found:
         end = geometry.last_layer + 1 if geometry.last_layer is not None else "?"
         raise AuxCaptureError(

@@ -195,8 +195,14 @@ def reads_value(call: AttnResCall, value) -> bool:
     return False
 
 
-def find_consumers(graph: torch.fx.Graph, value) -> list:
-    """AttnRes calls (``AttnResCall``) or ``attn_res_mix`` nodes that mix against ``value``."""
-    found: list = [c for c in attn_res_calls(graph) if reads_value(c, value)]
-    found += [m for m in mix_nodes(graph) if _same_sum(root(m.args[0]), root(value))]
+def find_consumers(graph: torch.fx.Graph, value, calls=None, mixes=None) -> list:
+    """AttnRes calls (``AttnResCall``) or ``attn_res_mix`` nodes that mix against ``value``.
+
+    ``calls`` / ``mixes``: the graph's calls and mix nodes when the caller already has
+    them (a pass looking up many taps scans the graph once, not once per tap).
+    """
+    calls = attn_res_calls(graph) if calls is None else calls
+    mixes = mix_nodes(graph) if mixes is None else mixes
+    found: list = [c for c in calls if reads_value(c, value)]
+    found += [m for m in mixes if _same_sum(root(m.args[0]), root(value))]
     return found

@@ -1,5 +1,6 @@
 import os
 
+import pytest
 import torch
 
 # Without a GPU the Triton kernel runs on CPU under the interpreter. Triton reads the
@@ -11,3 +12,12 @@ if not torch.cuda.is_available():
 import kimi_passes  # noqa: E402,F401  (registers torch.ops.kimi.*)
 
 torch.manual_seed(0)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Small shapes gain nothing from intra-op threads; on a shared machine they stall."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

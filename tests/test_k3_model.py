@@ -23,13 +23,7 @@ TINY_BF16 = K3Config(dtype=torch.bfloat16)
 T = 12
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors gain nothing from intra-op threads, and on a busy box threads thrash."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def ids_for(cfg: K3Config, n: int = T) -> torch.Tensor:

@@ -29,13 +29,7 @@ EPS = 1e-6
 ONORM_EPS = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small shapes: one intra-op thread avoids OpenMP barrier stalls on a shared machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --------------------------------------------------------------------------- helpers
