@@ -6,7 +6,10 @@ compiles a K3 graph so that every ``aux_tap`` reads the pre-norm AttnRes
 mixture its consumer layer reads (see ``AuxStreamPass``).
 """
 
-from kimi_passes import ops  # noqa: F401  (registers torch.ops.kimi.*)
+from kimi_passes import (
+    layout,  # noqa: F401  (first: refuses an unmapped source folder)
+    ops,  # noqa: F401  (registers torch.ops.kimi.*)
+)
 from kimi_passes.aux_stream import AuxStreamPass
 from kimi_passes.backend import KimiBackend, kimi_backend, make_kimi_backend, register
 from kimi_passes.errors import AuxCaptureError
