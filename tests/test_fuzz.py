@@ -26,6 +26,8 @@ line per model example (geometry, outcome, worst error in tolerances, seconds);
     export KIMI_PASSES_FUZZ_PROFILE=long KIMI_PASSES_FUZZ_KEEP_GOING=1
     KIMI_PASSES_FUZZ_LOG=fuzz.jsonl pytest tests/test_fuzz.py -k "ground_truth or kept"
 
+or, one seed per core with a summary of the logs: ``python tools/fuzz_long.py``.
+
 References and tolerances.
 
 - fp32: eager ``ground_truth`` / eager forward, atol = rtol = 1e-4. Taps match to ~1e-6,
