@@ -30,11 +30,13 @@ or, one seed per core with a summary of the logs: ``python tools/fuzz_long.py``.
 
 References and tolerances.
 
-- fp32: eager ``ground_truth`` / eager forward, atol = rtol = 1e-4. Taps match to ~1e-6,
-  but the compiled model upstream of a tap (Inductor's fused RMSNorm, SiLU-mul, matmuls)
-  is not bit-identical to eager and 12 layers of that drift reach a few 1e-6 on O(1)
-  values; 1e-4 leaves margin and still rejects the failure this project exists for (a
-  prefix read has 0.05-0.60 cosine similarity to the mixture: O(1) errors).
+- fp32: eager ``ground_truth`` / eager forward, atol = rtol = 1e-3. The compiled model
+  upstream of a tap (Inductor's fused RMSNorm, SiLU-mul, matmuls) is not bit-identical to
+  eager, and the drift grows with depth: a 12-layer S=1 model at T=59 (seed 46425) ends
+  1.2e-4 away from eager on an output of 0.12, bit-identical to plain Inductor's output,
+  so the drift is Inductor's, not the pass's (a long run at 1e-4 flagged it). 1e-3 leaves
+  margin over that and still rejects the failure this project exists for by orders of
+  magnitude: in that model the prefix stream's taps miss the mixtures by 2.4e3-2.8e3 x 1e-3.
 - bf16: the reference K3 amplifies rounding chaotically with depth (measured: eager bf16
   vs eager fp32 differ by 0.36 at capture id 3 of a 10-layer S=1 model; compiled vs eager
   bf16 by 0.33 at id 6), so an eager bf16 reference cannot be met at any useful tolerance.
@@ -109,7 +111,7 @@ def seeded(test):
     return test if PROFILE == "ci" else seed(SEED)(test)
 
 
-TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+TOL = {torch.float32: 1e-3, torch.bfloat16: 3e-2}
 
 
 # --------------------------------------------------------------------------- strategies
