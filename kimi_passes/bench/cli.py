@@ -1,0 +1,222 @@
+"""The command line: ``python -m kimi_passes bench`` (also ``python tools/bench.py``).
+
+    python -m kimi_passes bench --quick                  # a minute-sized CPU smoke run
+    python -m kimi_passes bench --out bench.json         # the fuller CPU sweep (+ bench.png)
+    python -m kimi_passes bench --device cuda --out gpu.json
+    python -m kimi_passes bench --only op --T 1 64 --H 256 --blocks 2 --dtypes float32
+
+Sections run in the order ``--only`` gives (default ``op,tap,pass,compile``; ``--quick``:
+``op,tap,pass``); a section that raises is reported, the others still run, and the exit
+status is 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from kimi_passes.bench.compile_time import bench_compile
+from kimi_passes.bench.harness import CpuTimer, CudaTimer, machine_info, set_limits, target
+from kimi_passes.bench.op import DTYPES, OP_HEADER, TARGET_ROOFLINE, VARIANTS, bench_op
+from kimi_passes.bench.pass_cost import bench_pass
+from kimi_passes.bench.report import format_report, plot
+from kimi_passes.bench.tap import bench_tap
+
+SECTIONS = ("op", "tap", "pass", "compile")
+
+
+class Config:
+    """Everything a run does, from the mode presets and the command line."""
+
+    def __init__(self, a: argparse.Namespace):
+        self.device = torch.device(a.device)
+        quick, cuda = a.quick, self.device.type == "cuda"
+        self.quick = quick
+        self.user_shapes = any(x is not None for x in (a.T, a.H, a.blocks))
+        if quick:
+            T, H, nb = [16, 1024], [1024], [8]
+        elif cuda:
+            T, H, nb = [1, 16, 128, 1024, 4096, 8192], [7168, 1024, 2048, 4096], [8, 1, 2, 4, 9]
+        else:
+            T, H, nb = [1, 16, 128, 1024, 4096, 8192], [1024, 2048, 4096, 7168], [8, 1, 2, 4, 9]
+        self.T = a.T or T
+        self.H = a.H or H
+        self.blocks = a.blocks or nb
+        self.T_centre = 8192 if cuda else 1024
+        # The headline shape (docs/design.md section 5); fp32 at that size is too big for a CPU run.
+        self.extra_cells = [] if quick else [("bfloat16", v, 8192, 7168, 8) for v in VARIANTS]
+        if cuda and not quick:
+            self.extra_cells += [("float32", v, 8192, 7168, 8) for v in VARIANTS]
+        if cuda:  # the centre already is the headline shape on CUDA
+            self.extra_cells = [c for c in self.extra_cells
+                                if (c[2], c[3], c[4]) != (self.T_centre, self.H[0],
+                                                          self.blocks[0])]
+        self.dtypes = a.dtypes or ["bfloat16", "float32"]
+        self.variants = a.variants or list(VARIANTS)
+        self.compiled = not a.no_compiled
+        self.peers = not a.no_peers
+        self.check = not a.no_check
+        threads = a.threads or torch.get_num_threads()
+        if cuda:
+            self.timer = CudaTimer(rounds=a.rounds or (5 if quick else 9), reps=10,
+                                   device=self.device)
+        else:
+            self.timer = CpuTimer(rounds=a.rounds or (5 if quick else 9),
+                                  block_s=a.block_ms / 1e3 if a.block_ms else
+                                  (0.01 if quick else 0.04), threads=threads,
+                                  max_s=3.0 if quick else 20.0)
+        if quick:
+            self.tap_layers, self.tap_hidden, self.tap_block, self.tap_T = 4, 256, 2, 64
+        else:
+            self.tap_layers, self.tap_hidden, self.tap_block, self.tap_T = 8, 1024, 2, 256
+        self.tap_layers = a.tap_layers or self.tap_layers
+        self.tap_hidden = a.tap_hidden or self.tap_hidden
+        self.tap_T = a.tap_T or self.tap_T
+        self.tap_timer = (CudaTimer(rounds=a.rounds or 15, reps=5, device=self.device) if cuda
+                          else CpuTimer(rounds=a.rounds or (7 if quick else 21),
+                                        block_s=0.05 if quick else 0.25, threads=threads,
+                                        max_s=10.0 if quick else 90.0))
+        self.pass_layers = a.pass_layers or (16 if quick else 93)
+        self.pass_cold = not quick
+        self.pass_all_taps = not quick
+        self.pass_reps = 5 if quick else 9
+        self.compile_T = 16
+        self.layers = a.layers or ([2, 4] if quick else [8, 16, 32, 64, 93])
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(
+        prog="python -m kimi_passes bench",
+        description="Benchmarks of the kimi AttnRes op, the tap, the pass and compile time.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 2)[1] if __doc__ else None)
+    ap.add_argument("--quick", action="store_true",
+                    help="small shapes and models (about a minute on a 2-core CPU)")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda[:i]")
+    ap.add_argument("--only", default=None,
+                    help=f"comma-separated sections of {','.join(SECTIONS)} "
+                         "(default: all; --quick: op,tap,pass)")
+    ap.add_argument("--out", type=Path, help="write the results as JSON here")
+    ap.add_argument("--text", type=Path, help="also write the text report here")
+    ap.add_argument("--plot", type=Path,
+                    help="PNG of GB/s against T (default: --out with .png)")
+    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--T", type=int, nargs="+", help="op: token counts")
+    ap.add_argument("--H", type=int, nargs="+", help="op: hidden sizes")
+    ap.add_argument("--blocks", type=int, nargs="+", help="op: completed blocks mixed (nb)")
+    ap.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES))
+    ap.add_argument("--variants", nargs="+", choices=VARIANTS)
+    ap.add_argument("--no-compiled", action="store_true",
+                    help="op: skip the torch.compile baseline")
+    ap.add_argument("--no-peers", action="store_true", help="op: skip the PyPI peer kernels")
+    ap.add_argument("--no-check", action="store_true",
+                    help="op: skip the correctness check against the reference")
+    ap.add_argument("--rounds", type=int, help="interleaved rounds per measurement")
+    ap.add_argument("--block-ms", type=float, help="CPU: milliseconds per timing sample")
+    ap.add_argument("--threads", type=int, help="CPU: torch threads (default: torch's)")
+    ap.add_argument("--tap-layers", type=int)
+    ap.add_argument("--tap-hidden", type=int)
+    ap.add_argument("--tap-T", type=int)
+    ap.add_argument("--pass-layers", type=int, help="pass: depth (default 93, K3)")
+    ap.add_argument("--layers", type=int, nargs="+", help="compile: depths to compile")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    if a.only:
+        sections = [s.strip() for s in a.only.split(",") if s.strip()]
+        bad = [s for s in sections if s not in SECTIONS]
+        if bad:
+            print(f"bench: unknown section(s) {bad}; choose from {list(SECTIONS)}",
+                  file=sys.stderr)
+            return 2
+    else:
+        sections = ["op", "tap", "pass"] if a.quick else list(SECTIONS)
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        print("bench: --device cuda but torch.cuda.is_available() is False", file=sys.stderr)
+        return 2
+    import kimi_passes  # noqa: F401  (registers torch.ops.kimi.*)
+
+    cfg = Config(a)
+    if cfg.device.type == "cpu" and a.threads:
+        torch.set_num_threads(a.threads)
+    set_limits()
+    results: dict = {"command": "python -m kimi_passes bench " + " ".join(
+        argv if argv is not None else sys.argv[1:]), "machine": machine_info(cfg.device),
+        "mode": "quick" if a.quick else "default", "sections": sections}
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    load = results["machine"]["loadavg_start"]
+    if (cfg.device.type == "cpu" and load and torch.get_num_threads() > 1
+            and load[0] > (os.cpu_count() or 1)):
+        log(f"warning: load average {load[0]:.1f} exceeds the {os.cpu_count()} CPUs and torch "
+            f"uses {torch.get_num_threads()} threads: timings will be scheduler noise; "
+            "use --threads 1")
+    errors, cache = {}, {}
+    t_start = time.perf_counter()
+    for sec in sections:
+        log(f"-- {sec} --")
+        if sec == "op":
+            log(OP_HEADER)
+        t0 = time.perf_counter()
+        try:
+            if sec == "op":
+                results["op"] = bench_op(cfg, log)
+            elif sec == "tap":
+                timer, cfg.timer = cfg.timer, cfg.tap_timer
+                cfg.op_timer = timer
+                try:
+                    results["tap"] = bench_tap(cfg, log)
+                finally:
+                    cfg.timer = timer
+            elif sec == "pass":
+                results["pass"] = bench_pass(cfg, log, cache)
+            elif sec == "compile":
+                results["compile"] = bench_compile(cfg, log, cache)
+        except Exception:  # noqa: BLE001 - report and go on with the other sections
+            errors[sec] = traceback.format_exc()
+            log(errors[sec])
+        log(f"   ({sec}: {time.perf_counter() - t0:.1f}s)")
+    results["wall_s"] = time.perf_counter() - t_start
+    results["machine"]["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") \
+        else None
+    results["targets"] = _targets(results, cfg)
+    if errors:
+        results["errors"] = errors
+    report = format_report(results)
+    print()
+    print(report, end="")
+    if not a.no_plot and "op" in results:
+        path = a.plot or (a.out.with_suffix(".png") if a.out else None)
+        if path is not None:
+            status = plot(results, path)
+            results["plot"] = status
+            print(status)
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(results, indent=1, default=str))
+        print(f"results written to {a.out}")
+    if a.text:
+        a.text.parent.mkdir(parents=True, exist_ok=True)
+        a.text.write_text(report)
+    return 1 if errors else 0
+
+
+def _targets(results, cfg) -> list[dict]:
+    out = []
+    for row in results.get("op", {}).get("rows", []):
+        if (cfg.device.type == "cuda" and (row["T"], row["H"], row["nb"], row["dtype"])
+                == (8192, 7168, 8, "bfloat16")):
+            out.append(target(f"op {row['variant']}: fraction of copy bandwidth at T=8192 "
+                              "H=7168 nb=8 bf16", row["roofline"]["median"],
+                              TARGET_ROOFLINE, ">="))
+    for sec in ("tap", "pass"):
+        out += results.get(sec, {}).get("targets", [])
+    return out

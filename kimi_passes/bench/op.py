@@ -1,0 +1,295 @@
+"""Section ``op``: the AttnRes op against plain torch and a same-bytes copy.
+
+``torch.ops.kimi.attn_res`` against the plain-torch statement of docs/design.md section 3
+written in the input dtype and run eagerly (``eager``), the same statement compiled
+by Inductor (``compiled``: ``torch.compile(fn, dynamic=False)``, static shapes, one
+compile per cell) and a memory copy moving the same number of bytes (``copy``:
+``dst.copy_(src)`` with ``src`` and ``dst`` ``bytes/2`` each, so it reads ``bytes/2`` and
+writes ``bytes/2``). On CUDA also the Triton kernel called directly (``triton``: what
+the op dispatches to, without the dispatcher) and, when importable, the PyPI peers
+``flash-attn-res`` and ``fast-attnres`` on the shapes their kernels accept.
+Variants: ``read`` (no delta, no block write, no output norm: a pure read of the
+pre-norm mixture) and ``full`` (delta, a block write into slot ``nb``, output norm:
+the pre-attention call of a block-write layer).
+Bytes moved (the op's minimum traffic): every source read once (``nb`` blocks and
+the prefix), plus the delta read and the prefix write-back when there is a delta,
+plus the block write, plus the output write, plus the weight vectors.
+``GB/s = bytes / time``; ``roof = t(copy) / t(op)`` (1.0 = copy speed);
+``x eager = t(eager) / t(op)`` and ``x comp = t(compiled) / t(op)`` (>1: the op is
+faster). Ratios are medians of per-round ratios of interleaved samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kimi_passes.bench.harness import fmt_ratio, ratio_summary, rel_err, summary
+
+VARIANTS = ("read", "full")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+EPS = 1e-6
+PEERS = ("flash-attn-res", "fast-attnres")
+
+# Target (docs/design.md section 5).
+TARGET_ROOFLINE = 0.90  # H200 headline shape, fraction of a same-bytes copy
+
+
+def plain_torch(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
+                num_blocks, block_write_idx, eps, output_norm_eps):
+    """docs/design.md section 3 the way a user writes it: plain torch in the input dtype."""
+    H = prefix.shape[-1]
+    if delta is not None:
+        prefix.add_(delta)
+    if block_write_idx >= 0:
+        blocks[:, block_write_idx] = prefix
+    values = torch.cat([blocks[:, :num_blocks], prefix[:, None]], 1)
+    keys = F.rms_norm(values, (H,), norm_weight, eps)
+    p = (keys @ qk_weight).softmax(-1)
+    out = (p[:, None] @ values)[:, 0]
+    if output_norm_weight is not None:
+        out = F.rms_norm(out, (H,), output_norm_weight, output_norm_eps)
+    return out
+
+
+def make_op_args(T, H, nb, dtype, variant, device, seed=0):
+    """Positional ``kimi::attn_res`` args; the bank has ``nb + 1`` slots (the write slot)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype=dtype, device=device)
+
+    full = variant == "full"
+    prefix, blocks = rnd(T, H), rnd(T, nb + 1, H)
+    delta = rnd(T, H, scale=1e-3) if full else None
+    norm_weight = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype=dtype, device=device)
+    qk_weight = rnd(H, scale=2.0 / H**0.5)
+    onw = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype=dtype, device=device) if full else None
+    write = nb if full else -1
+    return [prefix, delta, blocks, norm_weight, qk_weight, onw, nb, write, EPS, EPS]
+
+
+def op_bytes(T, H, nb, dtype, variant) -> int:
+    """The op's minimum traffic (see the module docstring)."""
+    e = torch.empty((), dtype=dtype).element_size()
+    rows = nb + 1 + 1  # sources read once, output written once
+    weights = 2
+    if variant == "full":
+        rows += 2 + 1  # delta read + prefix write-back; block write
+        weights += 1  # output norm weight
+    return e * (T * H * rows + H * weights)
+
+
+def _clone_args(args):
+    return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def _peer_fns(args, variant, dtype, device):
+    """``{peer: fn or reason}``: the peers' kernels computing the ``read`` mixture."""
+    prefix, _, blocks, norm_weight, qk_weight, _, nb, *_ = args
+    T, H = prefix.shape
+    found: dict[str, object] = {}
+    reasons = []
+    if device.type != "cuda":
+        reasons.append("CUDA only")
+    if variant != "read":
+        reasons.append("computes the mixture only (no delta, block write or output norm)")
+    if dtype != torch.bfloat16:
+        reasons.append("bf16 only")
+    query = (norm_weight.float() * qk_weight.float())  # RMSNorm weight folded into the query
+    try:
+        from flash_attn_res import (
+            phase_1_batched_attention_triton_op,
+            phase_2_online_softmax_merge_triton_op,
+        )
+    except Exception as e:  # noqa: BLE001 - any import failure means "not usable"
+        found["flash-attn-res"] = f"not installed ({type(e).__name__})"
+    else:
+        why = list(reasons)
+        if H & (H - 1):
+            why.append(f"hidden size must be a power of 2 (tl.arange), got {H}")
+        if nb < 1:
+            why.append("needs at least one completed block")
+        if why:
+            found["flash-attn-res"] = "unsupported: " + "; ".join(why)
+        else:
+            # Its layout is source-major [nb, B=1, T, H]: a copy made once, outside timing.
+            vals = blocks[:, :nb].permute(1, 0, 2).contiguous()[:, None]
+            pq = query.to(torch.bfloat16)[None]
+            pre = prefix[None]
+
+            def flash_attn_res():
+                out1, lse1 = phase_1_batched_attention_triton_op(vals, pq, EPS)
+                return phase_2_online_softmax_merge_triton_op(pre, pq[0], out1[0], lse1[0],
+                                                              EPS)[0]
+
+            found["flash-attn-res"] = flash_attn_res
+    try:
+        from attnres import attnres
+    except Exception as e:  # noqa: BLE001
+        found["fast-attnres"] = f"not installed ({type(e).__name__})"
+    else:
+        why = list(reasons)
+        if H > 8192 or nb + 1 > 129:
+            why.append("envelope is H <= 8192 and <= 129 sources")
+        if why:
+            found["fast-attnres"] = "unsupported: " + "; ".join(why)
+        else:
+            sources = [blocks[:, j] for j in range(nb)] + [prefix]  # views, no copy
+            q = query.to(torch.bfloat16)
+
+            def fast_attnres():
+                return attnres(sources, q, eps=EPS)
+
+            found["fast-attnres"] = fast_attnres
+    return found
+
+
+def _sweep(cfg) -> list[tuple]:
+    """Cells ``(dtype, variant, T, H, nb)``: axis sweeps around a centre shape."""
+    cells = []
+    if cfg.user_shapes:
+        for dt in cfg.dtypes:
+            for v in cfg.variants:
+                for H in cfg.H:
+                    for nb in cfg.blocks:
+                        for T in cfg.T:
+                            cells.append((dt, v, T, H, nb))
+        return cells
+    H0, nb0, T0 = cfg.H[0], cfg.blocks[0], cfg.T_centre
+    for dt in cfg.dtypes:
+        for v in cfg.variants:
+            cells += [(dt, v, T, H0, nb0) for T in cfg.T]
+            cells += [(dt, v, T0, H, nb0) for H in cfg.H[1:]]
+            cells += [(dt, v, T0, H0, nb) for nb in cfg.blocks[1:]]
+    for dt, v, T, H, nb in cfg.extra_cells:
+        if dt in cfg.dtypes and v in cfg.variants:
+            cells.append((dt, v, T, H, nb))
+    return cells
+
+
+def _op_factories(cfg, variant, dtype) -> tuple[dict, dict]:
+    """``{name: make(args) -> fn}`` for the timed candidates (not copy, not peers)."""
+    op = torch.ops.kimi.attn_res
+    makers: dict[str, Callable] = {"op": lambda a: lambda: op(*a)}
+    notes = {}
+    if cfg.device.type == "cuda":
+        from kimi_passes.ops import attn_res_triton
+
+        makers["triton"] = lambda a: lambda: attn_res_triton(*a)
+    makers["eager"] = lambda a: lambda: plain_torch(*a)
+    if cfg.compiled:
+        compiled = torch.compile(plain_torch, dynamic=False)
+        makers["compiled"] = lambda a: lambda: compiled(*a)
+    else:
+        notes["compiled"] = "skipped (--no-compiled)"
+    return makers, notes
+
+
+def bench_op(cfg, log) -> dict:
+    device = cfg.device
+    rows = []
+    for dt_name, variant, T, H, nb in _sweep(cfg):
+        dtype = DTYPES[dt_name]
+        torch._dynamo.reset()
+        args = make_op_args(T, H, nb, dtype, variant, device)
+        nbytes = op_bytes(T, H, nb, dtype, variant)
+        makers, notes = _op_factories(cfg, variant, dtype)
+        peers = {}
+        if cfg.peers and device.type == "cuda":
+            for name, fn in _peer_fns(args, variant, dtype, device).items():
+                if callable(fn):
+                    peers[name] = fn
+                else:
+                    notes[name] = fn
+        errors = {}
+        if cfg.check:
+            errors = _check_op(makers, peers, args, notes)
+            for name in list(makers):
+                if name in notes:
+                    makers.pop(name)
+            for name in list(peers):
+                if name in notes:
+                    peers.pop(name)
+        src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        # Every candidate shares ``args``: the in-place effects are idempotent enough
+        # (the block write copies the prefix; the delta is 1e-3 of it).
+        cands = {name: make(args) for name, make in makers.items()}
+        cands["copy"] = lambda s=src, d=dst: d.copy_(s)
+        cands.update(peers)
+        with torch.no_grad():
+            samples = cfg.timer.run(cands)
+            host = ({name: cfg.timer.host_time(cands[name]) for name in ("op", "triton")}
+                    if device.type == "cuda" else None)
+        t = {name: summary(s) for name, s in samples.items()}
+        row = {
+            "dtype": dt_name, "variant": variant, "T": T, "H": H, "nb": nb, "bytes": nbytes,
+            "time_s": t,
+            "host_time_s": host,
+            "gbps": {name: nbytes / s["median"] / 1e9 for name, s in t.items()},
+            "roofline": ratio_summary(samples["copy"], samples["op"]),
+            "op_vs_eager": ratio_summary(samples["eager"], samples["op"]),
+            "op_vs_compiled": (ratio_summary(samples["compiled"], samples["op"])
+                               if "compiled" in samples else None),
+            "vs_op": {name: ratio_summary(s, samples["op"]) for name, s in samples.items()
+                      if name not in ("op", "copy")},
+            "max_rel_err": errors,
+            "notes": notes,
+        }
+        rows.append(row)
+        log(op_line(row, device))
+        del args, src, dst, cands, peers
+    return {"rows": rows}
+
+
+def _check_op(makers, peers, args, notes) -> dict:
+    """Each candidate's output (on fresh clones) against the fp32 reference, first rows.
+
+    A candidate that raises is reported in ``notes`` and dropped from the timing.
+    """
+    from kimi_passes.ops import attn_res_reference
+
+    prefix, delta, blocks, *rest = args
+    n = min(prefix.shape[0], 256)
+    sliced = [prefix[:n].clone(), None if delta is None else delta[:n].clone(),
+              blocks[:n].clone(), *rest]
+    with torch.no_grad():
+        ref = attn_res_reference(*sliced)
+    errors = {}
+    # The peers' closures hold views of ``args`` (read variant: nothing is mutated).
+    fns = {name: (lambda make=make: make(_clone_args(args))()) for name, make in makers.items()}
+    fns.update(peers)
+    for name, fn in fns.items():
+        try:
+            with torch.no_grad():
+                out = fn()
+            errors[name] = rel_err(out[:n], ref)
+        except Exception as e:  # noqa: BLE001 - a failing candidate is reported, not fatal
+            notes[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    return errors
+
+
+# ----------------------------------------------------------------------------- output line
+
+
+OP_HEADER = (f"{'dtype':>8} {'var':>4} {'T':>5} {'H':>5} {'nb':>2} {'MB':>8} "
+             f"{'op ms':>9} {'op GB/s':>7} {'copy GB/s':>9} {'roof [IQR]':>16} "
+             f"{'x eager [IQR]':>16} {'x comp [IQR]':>16}")
+
+
+def op_line(row, device) -> str:
+    t = row["time_s"]
+    s = (f"{row['dtype']:>8} {row['variant']:>4} {row['T']:>5} {row['H']:>5} {row['nb']:>2} "
+         f"{row['bytes'] / 1e6:8.2f} {t['op']['median'] * 1e3:9.4f} {row['gbps']['op']:7.2f} "
+         f"{row['gbps']['copy']:9.2f} {fmt_ratio(row['roofline']):>16} "
+         f"{fmt_ratio(row['op_vs_eager']):>16} {fmt_ratio(row['op_vs_compiled']):>16}")
+    extra = [f"{n}={t[n]['median'] * 1e3:.4f}ms" for n in ("triton", *PEERS) if n in t]
+    if row.get("host_time_s"):
+        extra.append(f"op back-to-back={row['host_time_s']['op'] * 1e3:.4f}ms")
+    extra += [f"{n}: {why}" for n, why in row["notes"].items() if n in PEERS
+              and device.type == "cuda" and row["variant"] == "read"
+              and row["dtype"] == "bfloat16"]
+    return s + ("  " + "; ".join(extra) if extra else "")

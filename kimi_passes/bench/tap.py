@@ -1,0 +1,141 @@
+"""Section ``tap``: what serving the EAGLE3 taps costs a compiled K3 step.
+
+One compiled reference K3 step with taps at the EAGLE3 capture ids served three ways:
+``prefix`` stream, ``attn_res`` stream (fused: one extra ``[T,H]`` write per tap) and
+the vLLM-style capture (``attn_res`` stream, ``fuse_capture=False``: a separate
+``attn_res_mix`` read of the bank per tap). Targets: attn_res <= 1.02 x prefix, and
+attn_res faster than the separate read.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from kimi_passes.bench.harness import k3_input, ratio_summary, rel_err, summary, target
+
+# Target (docs/design.md section 5).
+TARGET_TAP_VS_PREFIX = 1.02  # attn_res stream step / prefix stream step
+
+
+def _heads(H: int) -> int:
+    """Attention heads of 128 channels where H allows it, else one head."""
+    return H // 128 if H % 128 == 0 and H >= 128 else 1
+
+
+def eagle3_ids(L: int) -> tuple[int, ...]:
+    """vLLM's default EAGLE3 aux layers (2, L//2, L-3), as capture ids."""
+    return tuple(sorted({2, L // 2, L - 3}))
+
+
+def bench_tap(cfg, log) -> dict:
+    from kimi_passes import make_kimi_backend
+    from kimi_passes.graphs import K3Config, K3Model
+
+    L, H, S, T = cfg.tap_layers, cfg.tap_hidden, cfg.tap_block, cfg.tap_T
+    dtype = torch.bfloat16 if cfg.device.type == "cuda" else torch.float32
+    k3 = K3Config(num_layers=L, hidden_size=H, attn_res_block_size=S, num_heads=_heads(H),
+                  intermediate_size=2 * H, vocab_size=128, aux_layer_ids=eagle3_ids(L),
+                  dtype=dtype)
+    ids = k3_input(k3, T, cfg.device)
+    ways = {
+        "prefix": dict(aux_stream="prefix"),
+        "attn_res": dict(aux_stream="attn_res"),
+        "vllm_style": dict(aux_stream="attn_res", fuse_capture=False),
+    }
+    torch._dynamo.reset()
+    eager = K3Model(k3).to(cfg.device)
+    with torch.no_grad():
+        truth = eager.ground_truth(ids)[1]
+    compiled, hows, errs = {}, {}, {}
+    for name, opts in ways.items():
+        backend = make_kimi_backend(**opts)
+        model = K3Model(k3).to(cfg.device)
+        cm = torch.compile(model, backend=backend)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            _, taps = cm(ids)
+        log(f"  compiled {name} in {time.perf_counter() - t0:.1f}s")
+        hows[name] = [f"{r.capture_id}: {r.how()}" for r in backend.aux_pass.last_rewrites]
+        errs[name] = max(rel_err(a, b) for a, b in zip(taps, truth, strict=True))
+        compiled[name] = cm
+    cands = {name: (lambda cm=cm: cm(ids)) for name, cm in compiled.items()}
+    with torch.no_grad():
+        samples = cfg.timer.run(cands)
+    t = {name: summary(s) for name, s in samples.items()}
+    res = {
+        "config": {"num_layers": L, "hidden_size": H, "block_size": S, "T": T,
+                   "intermediate_size": 2 * H, "num_heads": k3.num_heads, "dtype": str(dtype),
+                   "capture_ids": list(k3.aux_layer_ids)},
+        "time_s": t,
+        "attn_res_vs_prefix": ratio_summary(samples["attn_res"], samples["prefix"]),
+        "attn_res_vs_vllm_style": ratio_summary(samples["attn_res"], samples["vllm_style"]),
+        "vllm_style_vs_prefix": ratio_summary(samples["vllm_style"], samples["prefix"]),
+        "tap_max_rel_err_vs_ground_truth": errs,
+        "rewrites": hows,
+    }
+    res["per_tap_ops"] = _tap_ops(cfg, k3, log)
+    extra = {way: sum(r[way]["extra_s"] for r in res["per_tap_ops"])
+             for way in ("fused", "separate")}
+    res["tap_ops_extra_s"] = extra
+    res["tap_ops_extra_share_of_step"] = {
+        way: v / t["prefix"]["median"] for way, v in extra.items()}
+    res["targets"] = [
+        target("tap: attn_res step / prefix step", res["attn_res_vs_prefix"]["median"],
+               TARGET_TAP_VS_PREFIX, "<="),
+        target("tap: attn_res step / vLLM-style step", res["attn_res_vs_vllm_style"]["median"],
+               1.0, "<"),
+    ]
+    return res
+
+
+def _consumer_args(k, k3, T, device, seed=0):
+    """Args of capture id ``k``'s consumer in ``k3`` (docs/design.md section 2) at ``T`` tokens."""
+    L, S, H, dtype = k3.num_layers, k3.attn_res_block_size, k3.hidden_size, k3.dtype
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype=dtype, device=device)
+
+    nb = -(-k // S)
+    bank = rnd(T, -(-L // S), H)
+    weights = [1 + 0.1 * rnd(H), rnd(H, scale=2.0 / H**0.5)]
+    if k == L:  # the output aggregation: no output norm, no write
+        return [rnd(T, H), rnd(T, H), bank, *weights, None, nb, -1, k3.eps, k3.eps]
+    delta = rnd(T, H) if k > 0 else None
+    write = k // S if k % S == 0 else -1
+    return [rnd(T, H), delta, bank, *weights, 1 + 0.1 * rnd(H), nb, write, k3.eps, k3.eps]
+
+
+def _tap_ops(cfg, k3, log) -> list[dict]:
+    """Each tap's cost at op level: its consumer alone, fused (``attn_res_capture``: one
+    extra ``[T,H]`` write) and separate (the consumer, then an ``attn_res_mix`` read)."""
+    ops = torch.ops.kimi
+    rows = []
+    for k in k3.aux_layer_ids:
+        a = _consumer_args(k, k3, cfg.tap_T, cfg.device)
+        prefix, _, bank, nw, qk, _, nb, *_ = a
+
+        def separate(a=a, prefix=prefix, bank=bank, nw=nw, qk=qk, nb=nb):
+            ops.attn_res(*a)
+            return ops.attn_res_mix(prefix, bank, nw, qk, nb, k3.eps)
+
+        cands = {"consumer": lambda a=a: ops.attn_res(*a),
+                 "fused": lambda a=a: ops.attn_res_capture(*a),
+                 "separate": separate}
+        with torch.no_grad():
+            samples = cfg.op_timer.run(cands)
+        row = {"capture_id": k, "num_blocks": nb, "block_write_idx": a[7],
+               "output_norm": a[5] is not None,
+               "consumer_s": summary(samples["consumer"])}
+        for way in ("fused", "separate"):
+            diffs = [x - c for x, c in zip(samples[way], samples["consumer"], strict=True)]
+            row[way] = {"time_s": summary(samples[way]), "extra_s": statistics.median(diffs),
+                        "ratio": ratio_summary(samples[way], samples["consumer"])}
+        rows.append(row)
+        log(f"  capture id {k}: consumer {row['consumer_s']['median'] * 1e3:.3f}ms, fused "
+            f"+{row['fused']['extra_s'] * 1e3:.3f}ms, separate "
+            f"+{row['separate']['extra_s'] * 1e3:.3f}ms")
+    return rows
