@@ -1,4 +1,4 @@
-"""The plain-torch statement of the AttnRes op (DESIGN section 3).
+"""The plain-torch statement of the AttnRes op (docs/design.md section 3).
 
 This is the specification the kernels are tested against, written as the design
 brief states it: concatenate the sources, RMSNorm the keys, dot with the

@@ -1,4 +1,4 @@
-"""AttnResFusionPass: AttnRes mixing written in plain torch becomes one kimi op (issue 7).
+"""AttnResFusionPass: AttnRes mixing written in plain torch becomes one kimi op.
 
 Graphs are inspected, so the FX graph cache is off for every test here (a cache hit
 would skip the passes). Goldens are the normalised post-pass graph (``graph_text``);

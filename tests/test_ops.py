@@ -1,6 +1,6 @@
 """The registered CPU ops ``torch.ops.kimi.{attn_res, attn_res_capture, attn_res_mix, aux_tap}``.
 
-Numerics are checked against ``ops/reference.py`` (DESIGN section 3) run on clones, so the
+Numerics are checked against ``ops/reference.py`` (docs/design.md section 3) run on clones, so the
 in-place effects on ``prefix`` and ``blocks`` can be compared exactly.
 """
 
