@@ -1,9 +1,12 @@
 """The ``kimi`` AttnRes op family: registrations, CPU path, Triton kernel, reference.
 
 Importing this package registers ``torch.ops.kimi.{attn_res, attn_res_capture,
-attn_res_mix, aux_tap}``.
+attn_res_mix, attn_res_mix_list, aux_tap}``, the backward ops
+``kimi.{attn_res_mix_backward, attn_res_mix_list_backward}`` and the autograd formulas of
+the two mixtures.
 """
 
+from . import backward as _backward  # noqa: F401  (backward ops, autograd of the mixtures)
 from .library import attn_res, attn_res_capture, attn_res_mix, aux_tap_op
 from .mix_list import attn_res_mix_list  # noqa: F401  (registers kimi::attn_res_mix_list)
 from .reference import attn_res_mix_reference, attn_res_reference

@@ -1,0 +1,282 @@
+"""Backward of the AttnRes mixture: ``kimi::attn_res_mix_backward`` and
+``kimi::attn_res_mix_list_backward``, and the autograd formulas of ``attn_res_mix`` /
+``attn_res_mix_list`` that call them.
+
+Per row, with sources ``v_j`` (``j < n``), folded query ``w = norm_weight * qk_weight``:
+
+    r_j = rsqrt(mean(v_j^2) + eps);  logit_j = <v_j, w> * r_j;  p = softmax(logit)
+    out = sum_j p_j v_j
+
+Given ``g = dL/dout``:
+
+    dlogit_j = p_j * (<g, v_j> - <g, out>)          (<g, out> = sum_k p_k <g, v_k>)
+    a_j      = dlogit_j * r_j                         (gradient of the dot <v_j, w>)
+    dv_j     = p_j g + a_j w - (a_j * logit_j * r_j / H) v_j
+    dw       = sum over rows and sources of a_j v_j
+    d(norm_weight) = dw * qk_weight;  d(qk_weight) = dw * norm_weight
+
+(the last term of ``dv_j`` is the key-norm path: ``dr_j/dv_j = -r_j^3 v_j / H``).
+
+Nothing is saved by the forward beyond its inputs (which autograd holds anyway): the
+backward recomputes the ``[n]`` logits of a row from the sources, which it has to read
+for ``<g, v_j>`` regardless. So no ``[T, n, H]`` keys and no ``[T, n]`` statistics live
+between forward and backward. The CPU path stages a chunk of rows of all sources in one
+cache-sized buffer (one read of each source from memory) and runs both passes (logits
+and ``<g, v_j>``, then ``dv`` and ``dw``) on it; the Triton kernel
+(``triton_backward.py``) reads each source twice. Accumulation is fp32 (fp64 for fp64
+inputs, which only the tests' gradcheck passes; the ops themselves take the forward's
+dtypes). Gradients are rounded to each input's dtype once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import library as _library  # noqa: F401  (kimi::attn_res_mix, before its autograd)
+from .mix_list import validate_mix_list
+from .validate import AttnResArgumentError, validate_mix
+
+# Rows per chunk: the chunk's staged sources plus their gradients are about this many bytes.
+_CHUNK_BYTES = 8 << 20
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def mix_backward_rows(grad, sources, q, eps, dsources, dw) -> None:
+    """Backward of the mixture of ``sources`` (``n`` tensors ``[R, H]``, views allowed).
+
+    ``grad`` ``[R, H]`` is dL/dout; ``q`` the folded query in the compute dtype. Writes
+    dL/dsources[j] into ``dsources[j]`` (a ``[R, H]`` tensor, rounded to its dtype) where
+    that is not None, and adds dL/dq into ``dw`` (an ``[H]`` compute-dtype accumulator)
+    when ``dw`` is not None.
+    """
+    R, H = grad.shape
+    n, cdt, dev = len(sources), q.dtype, grad.device
+    if R == 0 or H == 0:
+        for d in dsources:
+            if d is not None:
+                d.zero_()
+        return
+    want_dv = any(d is not None for d in dsources)
+    # Staged sources, their gradients and the grad rows: about (2n + 1) rows of H each.
+    rows = max(1, min(R, _CHUNK_BYTES // ((2 * n + 1) * H * cdt.itemsize)))
+    stage = torch.empty((rows, n, H), dtype=cdt, device=dev)
+    gbuf = torch.empty((rows, H), dtype=cdt, device=dev)
+    dv_buf = torch.empty((rows, n, H), dtype=cdt, device=dev) if want_dv else None
+    for r0 in range(0, R, rows):
+        r1 = min(R, r0 + rows)
+        C = r1 - r0
+        v, g = stage[:C], gbuf[:C]
+        torch.stack([s[r0:r1] for s in sources], dim=1, out=v)  # the one read of each source
+        g.copy_(grad[r0:r1])
+        # Pass 1: the logits (recomputed, as the forward did) and <g, v_j>.
+        r = torch.linalg.vector_norm(v, dim=-1)
+        r = r.square_().div_(H).add_(eps).rsqrt_()  # [C, n]
+        logit = torch.mv(v.view(C * n, H), q).view(C, n).mul_(r)
+        p = torch.softmax(logit, dim=-1)
+        gv = torch.bmm(v, g.unsqueeze(-1)).squeeze(-1)  # [C, n]
+        g_out = (p * gv).sum(-1, keepdim=True)  # <g, out>
+        a = gv.sub_(g_out).mul_(p).mul_(r)  # dlogit_j * r_j
+        # Pass 2: dv_j = p_j g + a_j w - c_j v_j, and dw += sum_j a_j v_j.
+        if want_dv:
+            c = a * logit * r / H
+            dv = dv_buf[:C]
+            torch.mul(v, c.neg_().unsqueeze(-1), out=dv)
+            dv.addcmul_(p.unsqueeze(-1), g.unsqueeze(1))
+            dv.addcmul_(a.unsqueeze(-1), q)
+            for j, d in enumerate(dsources):
+                if d is not None:
+                    d[r0:r1].copy_(dv[:, j])
+        if dw is not None:
+            dw.add_(torch.mv(v.view(C * n, H).t(), a.reshape(C * n)))
+
+
+def attn_res_mix_backward_cpu(grad, prefix, blocks, norm_weight, qk_weight, num_blocks, eps,
+                              need_prefix, need_blocks, need_weights):
+    """``(dprefix, dblocks, dw)``; each an empty ``[0]`` tensor when not asked for.
+
+    ``dblocks`` is ``[T, NB, H]`` with zeros in the slots ``>= num_blocks``; ``dw`` is
+    dL/d(norm_weight * qk_weight) in the compute dtype (fp32 for the op's dtypes).
+    """
+    cdt = _compute_dtype(prefix.dtype)
+    q = norm_weight.to(cdt) * qk_weight.to(cdt)
+    dprefix = torch.empty_like(prefix) if need_prefix else None
+    dblocks = None
+    if need_blocks:
+        dblocks = torch.empty_like(blocks, memory_format=torch.contiguous_format)
+        dblocks[:, num_blocks:].zero_()
+    dw = torch.zeros(q.shape, dtype=cdt, device=q.device) if need_weights else None
+    sources = [blocks[:, j] for j in range(num_blocks)] + [prefix]
+    dsources = [None if dblocks is None else dblocks[:, j] for j in range(num_blocks)]
+    mix_backward_rows(grad, sources, q, eps, dsources + [dprefix], dw)
+    return tuple(_or_empty(t, prefix) for t in (dprefix, dblocks, dw))
+
+
+def attn_res_mix_list_backward_torch(grad, sources, norm_weight, qk_weight, eps,
+                                     need_sources, need_weights):
+    """``(dsources, dw)``: a list (empty when not asked for) and ``[H]`` (or ``[0]``)."""
+    H = sources[0].shape[-1]
+    cdt = _compute_dtype(sources[0].dtype)
+    q = qk_weight.to(cdt)
+    if norm_weight is not None:
+        q = norm_weight.to(cdt) * q
+    flat = [s.reshape(-1, H) for s in sources]
+    dsources = [torch.empty_like(s, memory_format=torch.contiguous_format)
+                for s in sources] if need_sources else []
+    dflat = [d.view(-1, H) for d in dsources] or [None] * len(sources)
+    dw = torch.zeros(q.shape, dtype=cdt, device=q.device) if need_weights else None
+    mix_backward_rows(grad.reshape(-1, H), flat, q, eps, dflat, dw)
+    return dsources, _or_empty(dw, sources[0])
+
+
+def _or_empty(t, like):
+    return like.new_empty((0,)) if t is None else t
+
+
+def _check_grad(op: str, grad, like) -> None:
+    if grad.shape != like.shape or grad.device != like.device:
+        raise AttnResArgumentError(
+            f"kimi {op}: grad has shape {tuple(grad.shape)} on {grad.device} but the forward "
+            f"output has shape {tuple(like.shape)} on {like.device}; pass dL/d(output)")
+    if grad.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise AttnResArgumentError(
+            f"kimi {op}: grad dtype {grad.dtype} is not one of float32, bfloat16, float16")
+
+
+# --------------------------------------------------------------------------- the ops
+
+
+@torch.library.custom_op("kimi::attn_res_mix_backward", mutates_args=(), device_types="cpu")
+def attn_res_mix_backward(
+    grad: torch.Tensor,
+    prefix: torch.Tensor,
+    blocks: torch.Tensor,
+    norm_weight: torch.Tensor,
+    qk_weight: torch.Tensor,
+    num_blocks: int,
+    eps: float,
+    need_prefix: bool,
+    need_blocks: bool,
+    need_weights: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of ``kimi::attn_res_mix``: ``(dprefix, dblocks, d(norm_weight*qk_weight))``."""
+    validate_mix(prefix, blocks, norm_weight, qk_weight, num_blocks, eps)
+    _check_grad("attn_res_mix_backward", grad, prefix)
+    return attn_res_mix_backward_cpu(grad, prefix, blocks, norm_weight, qk_weight, num_blocks,
+                                     eps, need_prefix, need_blocks, need_weights)
+
+
+@attn_res_mix_backward.register_fake
+def _attn_res_mix_backward_fake(grad, prefix, blocks, norm_weight, qk_weight, num_blocks, eps,
+                                need_prefix, need_blocks, need_weights):
+    validate_mix(prefix, blocks, norm_weight, qk_weight, num_blocks, eps)
+    _check_grad("attn_res_mix_backward", grad, prefix)
+    empty = prefix.new_empty((0,))
+    return (torch.empty_like(prefix) if need_prefix else empty,
+            torch.empty_like(blocks, memory_format=torch.contiguous_format)
+            if need_blocks else empty.clone(),
+            prefix.new_empty(prefix.shape[-1:], dtype=torch.float32)
+            if need_weights else empty.clone())
+
+
+@attn_res_mix_backward.register_kernel("cuda")
+def _attn_res_mix_backward_cuda(*args):
+    from .triton_backward import attn_res_mix_backward_triton
+
+    return attn_res_mix_backward_triton(*args)
+
+
+@torch.library.custom_op("kimi::attn_res_mix_list_backward", mutates_args=(),
+                         device_types=("cpu", "cuda"))
+def attn_res_mix_list_backward(
+    grad: torch.Tensor,
+    sources: list[torch.Tensor],
+    norm_weight: torch.Tensor | None,
+    qk_weight: torch.Tensor,
+    eps: float,
+    need_sources: bool,
+    need_weights: bool,
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Backward of ``kimi::attn_res_mix_list``: ``(dsources, d(norm_weight*qk_weight))``.
+
+    Per-source torch ops on any device (the forward is too); ``dsources`` is empty when
+    ``need_sources`` is false, ``dw`` ``[0]`` when ``need_weights`` is false.
+    """
+    validate_mix_list(sources, norm_weight, qk_weight, eps, grad.dtype)
+    _check_grad("attn_res_mix_list_backward", grad, sources[0])
+    return attn_res_mix_list_backward_torch(grad, sources, norm_weight, qk_weight, eps,
+                                            need_sources, need_weights)
+
+
+@attn_res_mix_list_backward.register_fake
+def _attn_res_mix_list_backward_fake(grad, sources, norm_weight, qk_weight, eps,
+                                     need_sources, need_weights):
+    validate_mix_list(sources, norm_weight, qk_weight, eps, grad.dtype)
+    _check_grad("attn_res_mix_list_backward", grad, sources[0])
+    first = sources[0]
+    dsources = [torch.empty_like(s, memory_format=torch.contiguous_format)
+                for s in sources] if need_sources else []
+    dw = first.new_empty(first.shape[-1:], dtype=torch.float32) if need_weights else (
+        first.new_empty((0,)))
+    return dsources, dw
+
+
+# --------------------------------------------------------------------------- autograd
+
+
+def split_weight_grad(dw, norm_weight, qk_weight, need_norm, need_qk):
+    """``(d norm_weight, d qk_weight)`` from ``dw = dL/d(norm_weight * qk_weight)``."""
+    dnw = dqk = None
+    if need_norm:
+        dnw = (dw * qk_weight.to(dw.dtype)).to(norm_weight.dtype)
+    if need_qk:
+        dqk = dw if norm_weight is None else dw * norm_weight.to(dw.dtype)
+        dqk = dqk.to(qk_weight.dtype)
+    return dnw, dqk
+
+
+def _mix_setup(ctx, inputs, output):
+    prefix, blocks, norm_weight, qk_weight, num_blocks, eps = inputs
+    ctx.num_blocks, ctx.eps = num_blocks, eps
+    ctx.save_for_backward(prefix, blocks, norm_weight, qk_weight)
+
+
+def _mix_backward(ctx, grad):
+    prefix, blocks, norm_weight, qk_weight = ctx.saved_tensors
+    need_p, need_b, need_nw, need_qk = ctx.needs_input_grad[:4]
+    dprefix, dblocks, dw = torch.ops.kimi.attn_res_mix_backward(
+        grad, prefix, blocks, norm_weight, qk_weight, ctx.num_blocks, ctx.eps,
+        need_p, need_b, need_nw or need_qk)
+    dnw, dqk = split_weight_grad(dw, norm_weight, qk_weight, need_nw, need_qk)
+    return (dprefix if need_p else None, dblocks if need_b else None, dnw, dqk, None, None)
+
+
+def _mix_list_setup(ctx, inputs, output):
+    sources, norm_weight, qk_weight, eps, out_dtype = inputs
+    # The dispatcher drops a trailing argument equal to its default (out_dtype=None) from
+    # what autograd sees, while setup_context gets it filled back: return that many grads.
+    ctx.eps, ctx.n_inputs = eps, 4 if out_dtype is None else 5
+    ctx.n = len(sources)
+    ctx.need_sources = any(s.requires_grad for s in sources)
+    ctx.need_nw = norm_weight is not None and norm_weight.requires_grad
+    ctx.need_qk = qk_weight.requires_grad
+    ctx.has_nw = norm_weight is not None
+    ctx.save_for_backward(*sources, *((norm_weight,) if ctx.has_nw else ()), qk_weight)
+
+
+def _mix_list_backward(ctx, grad):
+    saved = ctx.saved_tensors
+    sources, qk_weight = list(saved[:ctx.n]), saved[-1]
+    norm_weight = saved[ctx.n] if ctx.has_nw else None
+    dsources, dw = torch.ops.kimi.attn_res_mix_list_backward(
+        grad, sources, norm_weight, qk_weight, ctx.eps, ctx.need_sources,
+        ctx.need_nw or ctx.need_qk)
+    dnw, dqk = split_weight_grad(dw, norm_weight, qk_weight, ctx.need_nw, ctx.need_qk)
+    return (dsources if ctx.need_sources else None, dnw, dqk) + (None,) * (ctx.n_inputs - 3)
+
+
+torch.library.register_autograd("kimi::attn_res_mix", _mix_backward, setup_context=_mix_setup)
+torch.library.register_autograd("kimi::attn_res_mix_list", _mix_list_backward,
+                                setup_context=_mix_list_setup)
