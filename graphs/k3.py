@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from kimi_passes.ops.differentiable import attn_res_differentiable
 from torch import nn
 
 from kimi_passes.errors import AuxCaptureError
@@ -109,9 +110,13 @@ def attn_res_torch(prefix, delta, blocks, norm_weight, qk_weight, output_norm_we
 
 
 def attn_res(mixing: str, *args):
-    """``kimi::attn_res`` (``mixing="op"``) or its plain-torch statement (``"torch"``)."""
+    """``kimi::attn_res`` (``mixing="op"``) or its plain-torch statement (``"torch"``).
+
+    ``"op"`` goes through ``attn_res_differentiable``: the op itself unless a tensor
+    requires grad (a trainable model), then the op's differentiable parts.
+    """
     if mixing == "op":
-        return torch.ops.kimi.attn_res(*args)
+        return attn_res_differentiable(*args)
     return attn_res_torch(*args)
 
 
@@ -223,11 +228,13 @@ class K3Model(nn.Module):
     is then tapped on both sides and refused on the earlier one. ``capture_ids=`` picks
     a stage's own subset (e.g. leave the boundary to the stage that owns that layer).
     ``ground_truth(...)`` is the same run with each tap computed model-side as the
-    consumer's pre-norm mixture, like vLLM's fix.
+    consumer's pre-norm mixture, like vLLM's fix. ``trainable=True`` leaves the
+    parameters requiring grad (default: frozen, an inference model).
     """
 
     def __init__(self, config: K3Config, start_layer: int = 0, end_layer: int | None = None,
-                 mixing: str = "op", capture_ids: tuple[int, ...] | None = None):
+                 mixing: str = "op", capture_ids: tuple[int, ...] | None = None,
+                 trainable: bool = False):
         super().__init__()
         L = config.num_layers
         end_layer = L if end_layer is None else end_layer
@@ -264,8 +271,9 @@ class K3Model(nn.Module):
             _init_params({"output_attn_res_norm": self.output_attn_res_norm,
                           "output_attn_res_proj": self.output_attn_res_proj,
                           "norm": self.norm}, seed, 1, H)
-        # Inference only (the kimi ops have no backward): compiled graphs are inference graphs.
-        self.to(config.dtype).requires_grad_(False)
+        # Inference by default, so compiled graphs are inference graphs; ``trainable=True``
+        # keeps the parameters' requires_grad (both mixings are differentiable).
+        self.to(config.dtype).requires_grad_(trainable)
 
     def forward(self, x, bank=None):
         return self._run(x, bank, "prefix")

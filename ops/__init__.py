@@ -7,6 +7,7 @@ the two mixtures.
 """
 
 from . import backward as _backward  # noqa: F401  (backward ops, autograd of the mixtures)
+from .differentiable import attn_res_capture_differentiable, attn_res_differentiable
 from .library import attn_res, attn_res_capture, attn_res_mix, aux_tap_op
 from .mix_list import attn_res_mix_list  # noqa: F401  (registers kimi::attn_res_mix_list)
 from .reference import attn_res_mix_reference, attn_res_reference
@@ -38,7 +39,9 @@ __all__ = [
     "AttnResArgumentError",
     "attn_res",
     "attn_res_capture",
+    "attn_res_capture_differentiable",
     "attn_res_capture_triton",
+    "attn_res_differentiable",
     "attn_res_mix",
     "attn_res_mix_reference",
     "attn_res_mix_triton",

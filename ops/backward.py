@@ -274,9 +274,15 @@ def _mix_list_backward(ctx, grad):
         grad, sources, norm_weight, qk_weight, ctx.eps, ctx.need_sources,
         ctx.need_nw or ctx.need_qk)
     dnw, dqk = split_weight_grad(dw, norm_weight, qk_weight, ctx.need_nw, ctx.need_qk)
-    return (dsources if ctx.need_sources else None, dnw, dqk) + (None,) * (ctx.n_inputs - 3)
+    return (dsources if ctx.need_sources else [None] * ctx.n, dnw, dqk) + (None,) * (ctx.n_inputs - 3)
 
 
 torch.library.register_autograd("kimi::attn_res_mix", _mix_backward, setup_context=_mix_setup)
 torch.library.register_autograd("kimi::attn_res_mix_list", _mix_list_backward,
                                 setup_context=_mix_list_setup)
+
+
+# aux_tap is the identity in eager (a marker for the aux-stream pass), so its gradient is
+# too; without one, AOTAutograd cannot build the joint graph of a trainable model whose
+# taps are outputs.
+torch.library.register_autograd("kimi::aux_tap", lambda ctx, grad: (grad, None))
