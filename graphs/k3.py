@@ -1,4 +1,4 @@
-"""A tiny Kimi K3 with Block AttnRes wiring (DESIGN section 2), for tests and goldens.
+"""A tiny Kimi K3 with Block AttnRes wiring (docs/design.md section 2), for tests and goldens.
 
 One decoder layer ``i`` (block size ``S``; ``pending`` is layer ``i-1``'s MLP output)::
 
@@ -22,7 +22,7 @@ output_attn_res_*, no out norm, cdiv(L,S))`` (capture id ``L`` is tapped right b
 it) and the final ``norm``. A non-final stage hands on ``(prefix + pending, bank)``.
 
 Bank size: every stage carries the whole model's bank, ``NB = cdiv(L, S)`` slots (for
-the one-stage model that is DESIGN's ``cdiv(L_end, S)``; a stage ``[start, end)`` only
+the one-stage model that is docs/design.md's ``cdiv(L_end, S)``; a stage ``[start, end)`` only
 ever touches its first ``cdiv(end, S)``). A later stage takes the previous stage's bank
 and clones it, so stages compose functionally (no input is mutated) and bit for bit:
 every call sees the same values at the same strides as in the one-stage model. (A
@@ -89,7 +89,7 @@ class K3Config:
 
 def attn_res_torch(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
                    num_blocks: int, block_write_idx: int, eps: float, output_norm_eps: float):
-    """``kimi::attn_res`` (DESIGN section 3) in plain torch ops, fp32 math.
+    """``kimi::attn_res`` (docs/design.md section 3) in plain torch ops, fp32 math.
 
     A second statement of the op, written apart from ``ops/``: the in-place delta and
     block write, then RMSNorm'd keys scored against the pseudo-query, a softmax over
@@ -279,7 +279,7 @@ class K3Model(nn.Module):
         return self._run(x, bank, "prefix")
 
     def ground_truth(self, x, bank=None):
-        """Eager reference taps: each reads its consumer's pre-norm mixture (DESIGN 4).
+        """Eager reference taps: each its consumer's pre-norm mixture (docs/design.md section 4).
 
         The mixture is read with ``torch.ops.kimi.attn_res_mix`` (``mixing="op"``) or
         with ``attn_res_torch`` minus delta, write and output norm (``"torch"``). Shares

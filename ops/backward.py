@@ -274,7 +274,8 @@ def _mix_list_backward(ctx, grad):
         grad, sources, norm_weight, qk_weight, ctx.eps, ctx.need_sources,
         ctx.need_nw or ctx.need_qk)
     dnw, dqk = split_weight_grad(dw, norm_weight, qk_weight, ctx.need_nw, ctx.need_qk)
-    return (dsources if ctx.need_sources else [None] * ctx.n, dnw, dqk) + (None,) * (ctx.n_inputs - 3)
+    dsources = dsources if ctx.need_sources else [None] * ctx.n
+    return (dsources, dnw, dqk) + (None,) * (ctx.n_inputs - 3)
 
 
 torch.library.register_autograd("kimi::attn_res_mix", _mix_backward, setup_context=_mix_setup)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kimi_passes.graphs.k3 import K3Config, K3Model
-from kimi_passes.ops import attn_res_reference, backward
+from kimi_passes.ops import AttnResArgumentError, attn_res_reference, backward
 from kimi_passes.ops import triton_backward as tb
 from kimi_passes.ops.differentiable import (
     attn_res_capture_differentiable,
@@ -512,3 +512,17 @@ def test_k3_trains_compiled():
     for kind in ("fw", "bw"):
         assert count(graphs[kind], OPS.attn_res.default) == 0
 
+
+
+def test_backward_ops_check_grad():
+    prefix, blocks, nw, qk, grad = mix_inputs(3, 16, 3, torch.float32)
+    bad = torch.randn(2, 16)
+    with pytest.raises(AttnResArgumentError, match=r"attn_res_mix_backward: grad has shape "
+                       r"\(2, 16\).*forward output has shape \(3, 16\)"):
+        OPS.attn_res_mix_backward(bad, prefix, blocks, nw, qk, 2, EPS, True, True, True)
+    with pytest.raises(AttnResArgumentError, match=r"attn_res_mix_list_backward: grad has"):
+        OPS.attn_res_mix_list_backward(bad, [prefix], nw, qk, EPS, True, True)
+    with pytest.raises(AttnResArgumentError, match=r"attn_res_mix_backward: grad has shape"):
+        tb.attn_res_mix_backward_triton(bad, prefix, blocks, nw, qk, 2, EPS, True, True, True)
+    with pytest.raises(AttnResArgumentError, match=r"num_blocks=4 is outside \[0, 3\]"):
+        OPS.attn_res_mix_backward(grad, prefix, blocks, nw, qk, 4, EPS, True, True, True)
