@@ -279,7 +279,7 @@ class K3Model(nn.Module):
         return self._run(x, bank, "prefix")
 
     def ground_truth(self, x, bank=None):
-        """Eager reference taps: each its consumer's pre-norm mixture (docs/design.md section 4).
+        """Eager reference taps: each reads its consumer's pre-norm mixture (docs/design.md 4).
 
         The mixture is read with ``torch.ops.kimi.attn_res_mix`` (``mixing="op"``) or
         with ``attn_res_torch`` minus delta, write and output norm (``"torch"``). Shares

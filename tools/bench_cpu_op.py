@@ -1,4 +1,4 @@
-"""CPU speed of ``torch.ops.kimi.attn_res`` against its plain-torch statement (design section 3).
+"""CPU speed of ``kimi.attn_res`` against its plain-torch statement (docs/design.md section 3).
 
 The baseline is what a user would write eagerly, in the input dtype: the in-place prefix
 update and block write, ``cat`` of the sources, ``F.rms_norm`` keys, two matmuls and a
