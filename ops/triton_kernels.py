@@ -42,8 +42,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.jit import JITFunction
 
+from .triton_chunked import CHUNKED_KERNEL, INTERPRETED, jit
 from .validate import AttnResArgumentError, validate_mix, validate_sources
 
 
@@ -74,6 +74,7 @@ def _attn_res_kernel(
     WRITE_MIX: tl.constexpr,
     BF16_SOFT_RTNE: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     # 64-bit offsets: T * row stride and slot * slot stride can pass 2**31 elements.
     row = tl.program_id(0).to(tl.int64)
@@ -93,6 +94,9 @@ def _attn_res_kernel(
     v_next = tl.load(b_row + cols, mask=cols < lim, other=0.0)
     lim = tl.where((skip_idx != 1) & (num_blocks > 1), H, 0)
     v_next2 = tl.load(b_row + slot_stride + cols, mask=cols < lim, other=0.0)
+    if PREFETCH == 3:
+        lim = tl.where((skip_idx != 2) & (num_blocks > 2), H, 0)
+        v_next3 = tl.load(b_row + 2 * slot_stride + cols, mask=cols < lim, other=0.0)
 
     if HAS_DELTA:
         d = tl.load(delta_ptr + row * stride_d + cols, mask=hmask, other=0.0)
@@ -121,11 +125,17 @@ def _attn_res_kernel(
         if DO_WRITE:
             # The written slot holds the rounded prefix: take it from registers.
             v = tl.where(j == skip_idx, x.to(tl.float32), v)
-        # Two sources ahead stay in flight while this one is reduced.
+        # PREFETCH sources ahead stay in flight while this one is reduced.
         v_next = v_next2
-        nxt = j + 2
-        lim = tl.where((nxt != skip_idx) & (nxt < num_blocks), H, 0)
-        v_next2 = tl.load(b_row + nxt * slot_stride + cols, mask=cols < lim, other=0.0)
+        if PREFETCH == 3:
+            v_next2 = v_next3
+            nxt = j + 3
+            lim = tl.where((nxt != skip_idx) & (nxt < num_blocks), H, 0)
+            v_next3 = tl.load(b_row + nxt * slot_stride + cols, mask=cols < lim, other=0.0)
+        else:
+            nxt = j + 2
+            lim = tl.where((nxt != skip_idx) & (nxt < num_blocks), H, 0)
+            v_next2 = tl.load(b_row + nxt * slot_stride + cols, mask=cols < lim, other=0.0)
         # Both row reductions in one pass (one cross-warp exchange, not two).
         dot, ssq = tl.split(tl.sum(tl.join(v * w, v * v), axis=0))
         logit = dot * tl.rsqrt(ssq / H + eps)
@@ -158,14 +168,7 @@ def _attn_res_kernel(
         tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=hmask)
 
 
-# ``triton.jit`` picks interpreter or compiler from TRITON_INTERPRET when it decorates,
-# and triton.language's own jit helpers (``tl.sum``, ...) were decorated when triton
-# was imported; a kernel of the other mode cannot call them. So the kernel follows
-# the mode triton.language was built in, whatever the environment says now.
-INTERPRETED = not isinstance(tl.sum, JITFunction)
-with triton.knobs.runtime.scope():
-    triton.knobs.runtime.interpret = INTERPRETED
-    _KERNEL = triton.jit(_attn_res_kernel)
+_KERNEL = jit(_attn_res_kernel)
 
 
 def _num_warps(block_h: int) -> int:
@@ -178,6 +181,31 @@ def _num_warps(block_h: int) -> int:
     and the build spills.
     """
     return min(32, max(4, block_h // 512))
+
+
+# Widest BLOCK_H the row kernel holds in registers without spilling, by the offline build
+# (tools/kernel_build.py): 16-byte-aligned rows load in 16-byte vectors; other rows need an
+# address and a predicate per element. Wider rows run the chunked kernel.
+MAX_ROW_ALIGNED = 8192
+MAX_ROW_UNALIGNED = 4096
+CHUNK = 2048
+
+
+def launch_config(H: int, dtype: torch.dtype, aligned: bool = True, slots: int = 8):
+    """``(kernel, constexprs and num_warps)`` of a launch at row width ``H``.
+
+    ``aligned``: every pointer 16-byte aligned and ``H`` and every row stride divisible by
+    16, i.e. the specialisation in which Triton vectorises the row loads. ``slots``: the
+    bank's slot count (the chunked kernel sizes its logit vector by it).
+    """
+    block_h = triton.next_power_of_2(H)
+    if block_h > (MAX_ROW_ALIGNED if aligned else MAX_ROW_UNALIGNED):
+        return CHUNKED_KERNEL, dict(CHUNK=CHUNK, BLOCK_S=triton.next_power_of_2(slots + 1),
+                                    num_warps=_num_warps(CHUNK))
+    # 16-bit sources: three rows in flight (bytes in flight per SM, see tools/kernel_build.py);
+    # fp32 rows are twice as wide in bytes and in registers: two.
+    prefetch = 3 if aligned and dtype.itemsize == 2 else 2
+    return _KERNEL, dict(BLOCK_H=block_h, PREFETCH=prefetch, num_warps=_num_warps(block_h))
 
 
 def _check_unit_stride(**tensors: torch.Tensor | None) -> None:
@@ -215,7 +243,6 @@ def _launch(
             "kimi attn_res (triton): CPU tensors need the Triton interpreter; set "
             "TRITON_INTERPRET=1 before triton is first imported"
         )
-    block_h = triton.next_power_of_2(H)
     args = (
         prefix,
         delta if delta is not None else prefix,
@@ -237,6 +264,10 @@ def _launch(
         float(eps),
         float(output_norm_eps),
     )
+    # Triton specialises a pointer on 16-byte alignment and an int on divisibility by 16.
+    aligned = all(a.data_ptr() % 16 == 0 for a in args[:8]) and all(
+        n % 16 == 0 for n in (H, *args[11:17]))
+    kernel, cfg = launch_config(H, prefix.dtype, aligned, blocks.shape[1])
     flags = dict(
         HAS_DELTA=delta is not None,
         DO_WRITE=do_write,
@@ -244,14 +275,13 @@ def _launch(
         WRITE_OUT=out is not None,
         WRITE_MIX=mixed is not None,
         BF16_SOFT_RTNE=INTERPRETED and prefix.dtype == torch.bfloat16,
-        BLOCK_H=block_h,
-        num_warps=_num_warps(block_h),
+        **cfg,
     )
     if INTERPRETED:
-        _KERNEL[(T,)](*args, **flags)  # any device: the interpreter stages through host memory
+        kernel[(T,)](*args, **flags)  # any device: the interpreter stages through host memory
     else:
         with torch.cuda.device(prefix.device):
-            _KERNEL[(T,)](*args, **flags)
+            kernel[(T,)](*args, **flags)
 
 
 def attn_res_triton(

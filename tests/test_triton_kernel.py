@@ -359,3 +359,44 @@ def test_cuda_kernel_matches_reference(dtype, H):
         _close(out, out_ref, dtype)
         _close(mixed, mix_ref, dtype)
         assert torch.equal(mixed, attn_res_mix_triton(p, b, nw, qk, num_blocks, EPS))
+
+
+# --- the chunked kernel (rows wider than the register file holds) ------------------------
+
+@pytest.fixture
+def chunked(monkeypatch):
+    """Route every width to the chunked kernel, with chunks narrower than the rows."""
+    monkeypatch.setattr(tk, "MAX_ROW_ALIGNED", 8)
+    monkeypatch.setattr(tk, "MAX_ROW_UNALIGNED", 8)
+    monkeypatch.setattr(tk, "CHUNK", 32)
+
+
+CHUNKED_GRID = [(torch.float32, 4, 6, True, True), (torch.bfloat16, 9, 8, True, True),
+                (torch.float16, 3, 1, False, True), (torch.bfloat16, 0, -1, True, False),
+                (torch.float32, 5, -1, False, False)]
+
+
+@pytest.mark.parametrize("dtype,num_blocks,write_idx,with_delta,with_norm", CHUNKED_GRID,
+                         ids=[f"{_dt(c[0])}-nb{c[1]}-w{c[2]}" for c in CHUNKED_GRID])
+def test_chunked_kernel_matches_reference(chunked, dtype, num_blocks, write_idx, with_delta,
+                                          with_norm):
+    assert tk.launch_config(100, dtype)[0] is tk.CHUNKED_KERNEL
+    _check_attn_res(3, 9, 100, dtype, num_blocks, write_idx, with_delta, with_norm,
+                    seed=num_blocks + 17)
+
+
+def test_chunked_kernel_propagates_nan(chunked):
+    prefix, delta, blocks, nw, qk, onw = _inputs(2, 4, 100, torch.float32, seed=5)
+    blocks[0, 2, 70] = float("nan")
+    out, mixed = attn_res_capture_triton(prefix, delta, blocks, nw, qk, onw, 4, -1, EPS,
+                                         OUT_EPS)
+    assert mixed[0].isnan().all() and out[0].isnan().all()
+    assert not mixed[1].isnan().any() and not out[1].isnan().any()
+
+
+def test_wide_unaligned_rows_take_the_chunked_kernel():
+    # Rows the register file cannot hold without spilling (tools/kernel_build.py).
+    assert tk.launch_config(7168, torch.bfloat16)[0] is tk._KERNEL
+    assert tk.launch_config(8192, torch.float32)[0] is tk._KERNEL
+    assert tk.launch_config(8190, torch.bfloat16, aligned=False)[0] is tk.CHUNKED_KERNEL
+    assert tk.launch_config(16384, torch.bfloat16)[0] is tk.CHUNKED_KERNEL

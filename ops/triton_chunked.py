@@ -1,0 +1,183 @@
+"""Chunked Triton kernel of the AttnRes op family, for rows too wide to keep in registers.
+
+The row kernel (``ops/triton_kernels.py``) holds a whole row of each source in registers;
+the offline build (``tools/kernel_build.py``) shows that to fit without spills only up to
+``BLOCK_H = 8192`` when the rows are 16-byte aligned (vector loads) and up to 4096 when they
+are not (one address per element). Wider rows run this kernel instead, which loops over the
+row in ``CHUNK``-wide pieces and keeps only a chunk live:
+
+1. prefix update and block write, chunk by chunk, with the prefix's ``dot`` / ``ssq``;
+2. each block source's ``dot`` / ``ssq`` (one read of it), its logit kept in a small
+   ``[BLOCK_S]`` register vector, and the running max ``m`` (NaN-propagating);
+3. the softmax weights, then per chunk the mixture over every source (a second read of each
+   source, usually from L2: the row was just read), stored rounded; with an output norm its
+   mean square is summed from the fp32 mixture;
+4. with an output norm, ``out`` is re-read (this program's own stores) and normalised.
+
+So a source is read twice here, not once, and the normalised output multiplies the mixture
+after it was rounded to the output dtype: a fallback for widths K3-class models do not use,
+spill-free at any ``H``. The slot the block write fills is not read: as in the row kernel its
+value is the rounded prefix, taken from the prefix row (pass 1's own stores), and its logit
+equals the prefix's bit for bit, so ``attn_res_capture``'s mixture equals ``attn_res_mix`` run
+on the post-update state, bit for bit. Every element is written and re-read by the same
+thread (same chunk layout in every pass); a barrier between passes makes that explicit.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+# ``triton.jit`` picks interpreter or compiler from TRITON_INTERPRET when it decorates,
+# and triton.language's own jit helpers (``tl.sum``, ...) were decorated when triton
+# was imported; a kernel of the other mode cannot call them. So the kernels follow
+# the mode triton.language was built in, whatever the environment says now.
+INTERPRETED = not isinstance(tl.sum, JITFunction)
+
+
+def jit(fn):
+    """``triton.jit`` in the mode triton.language was built in (see ``INTERPRETED``)."""
+    with triton.knobs.runtime.scope():
+        triton.knobs.runtime.interpret = INTERPRETED
+        return triton.jit(fn)
+
+
+@jit
+def _round_bf16(y):
+    """fp32 -> bf16, round to nearest even, by bit manipulation (interpreter only)."""
+    u = y.to(tl.uint32, bitcast=True)
+    u = tl.where(y != y, 0x7FC00000, u + 0x7FFF + ((u >> 16) & 1))
+    return (u >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+def _attn_res_chunked_kernel(
+    prefix_ptr,
+    delta_ptr,
+    blocks_ptr,
+    norm_w_ptr,
+    qk_w_ptr,
+    out_norm_w_ptr,
+    out_ptr,
+    mix_ptr,
+    H,
+    num_blocks,
+    skip_idx,
+    stride_p,
+    stride_d,
+    stride_bt,
+    stride_bn,
+    stride_o,
+    stride_m,
+    eps,
+    out_eps,
+    HAS_DELTA: tl.constexpr,
+    DO_WRITE: tl.constexpr,
+    HAS_OUT_NORM: tl.constexpr,
+    WRITE_OUT: tl.constexpr,
+    WRITE_MIX: tl.constexpr,
+    BF16_SOFT_RTNE: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    slot_stride = tl.cast(stride_bn, tl.int64)
+    lanes = tl.arange(0, CHUNK)
+    sidx = tl.arange(0, BLOCK_S)
+    b_row = blocks_ptr + row * stride_bt
+    p_row = prefix_ptr + row * stride_p
+
+    # Pass 1: the in-place effects and the prefix's reductions.
+    dot = tl.full((), 0.0, tl.float32)
+    ssq = tl.full((), 0.0, tl.float32)
+    for c in range(0, H, CHUNK):
+        cols = c + lanes
+        hmask = cols < H
+        x = tl.load(p_row + cols, mask=hmask, other=0.0)
+        if HAS_DELTA:
+            d = tl.load(delta_ptr + row * stride_d + cols, mask=hmask, other=0.0)
+            x = x.to(tl.float32) + d.to(tl.float32)
+            if BF16_SOFT_RTNE:
+                x = _round_bf16(x)
+            else:
+                x = x.to(prefix_ptr.dtype.element_ty)
+            tl.store(p_row + cols, x, mask=hmask)
+        if DO_WRITE:
+            tl.store(b_row + skip_idx * slot_stride + cols, x, mask=hmask)
+        w = tl.load(norm_w_ptr + cols, mask=hmask, other=0.0).to(tl.float32)
+        w = w * tl.load(qk_w_ptr + cols, mask=hmask, other=0.0).to(tl.float32)
+        xf = x.to(tl.float32)
+        d0, s0 = tl.split(tl.sum(tl.join(xf * w, xf * xf), axis=0))
+        dot += d0
+        ssq += s0
+    logit0 = dot * tl.rsqrt(ssq / H + eps)
+    logits = tl.where(sidx == 0, logit0, 0.0)
+    m = logit0
+
+    # Pass 2: each block's logit (the written slot's is the prefix's, without a read).
+    for j in range(0, num_blocks):
+        lim = tl.where(j != skip_idx, H, 0)
+        dot = tl.full((), 0.0, tl.float32)
+        ssq = tl.full((), 0.0, tl.float32)
+        for c in range(0, H, CHUNK):
+            cols = c + lanes
+            v = tl.load(b_row + j * slot_stride + cols, mask=cols < lim, other=0.0)
+            v = v.to(tl.float32)
+            w = tl.load(norm_w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
+            w = w * tl.load(qk_w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
+            d0, s0 = tl.split(tl.sum(tl.join(v * w, v * v), axis=0))
+            dot += d0
+            ssq += s0
+        logit = tl.where(j == skip_idx, logit0, dot * tl.rsqrt(ssq / H + eps))
+        logits = tl.where(sidx == j + 1, logit, logits)
+        m = tl.maximum(m, logit, propagate_nan=tl.PropagateNan.ALL)
+    p = tl.where(sidx <= num_blocks, tl.exp(logits - m), 0.0)
+    inv_l = 1.0 / tl.sum(p, axis=0)
+
+    # Pass 3: the mixture, chunk by chunk, over every source.
+    tl.debug_barrier()
+    ms = tl.full((), 0.0, tl.float32)
+    for c in range(0, H, CHUNK):
+        cols = c + lanes
+        hmask = cols < H
+        xf = tl.load(p_row + cols, mask=hmask, other=0.0).to(tl.float32)
+        acc = tl.sum(tl.where(sidx == 0, p, 0.0), axis=0) * xf
+        for j in range(0, num_blocks):
+            lim = tl.where(j != skip_idx, H, 0)
+            v = tl.load(b_row + j * slot_stride + cols, mask=cols < lim, other=0.0)
+            v = tl.where(j == skip_idx, xf, v.to(tl.float32))
+            acc += tl.sum(tl.where(sidx == j + 1, p, 0.0), axis=0) * v
+        mixed = acc * inv_l
+        if WRITE_MIX:
+            y = mixed
+            if BF16_SOFT_RTNE:
+                y = _round_bf16(y)
+            tl.store(mix_ptr + row * stride_m + cols, y.to(mix_ptr.dtype.element_ty),
+                     mask=hmask)
+        if WRITE_OUT:
+            y = mixed
+            if HAS_OUT_NORM:
+                ms += tl.sum(mixed * mixed, axis=0)
+            if BF16_SOFT_RTNE:
+                y = _round_bf16(y)
+            tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty),
+                     mask=hmask)
+
+    # Pass 4: the output norm over the stored (rounded) mixture.
+    if WRITE_OUT:
+        if HAS_OUT_NORM:
+            tl.debug_barrier()
+            scale = tl.rsqrt(ms / H + out_eps)
+            for c in range(0, H, CHUNK):
+                cols = c + lanes
+                hmask = cols < H
+                o_ptrs = out_ptr + row * stride_o + cols
+                y = tl.load(o_ptrs, mask=hmask, other=0.0).to(tl.float32)
+                ow = tl.load(out_norm_w_ptr + cols, mask=hmask, other=0.0).to(tl.float32)
+                y = y * scale * ow
+                if BF16_SOFT_RTNE:
+                    y = _round_bf16(y)
+                tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=hmask)
+
+
+CHUNKED_KERNEL = jit(_attn_res_chunked_kernel)

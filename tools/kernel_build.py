@@ -1,0 +1,241 @@
+"""Offline build of the AttnRes Triton kernel for sm_90 / sm_100: registers, spills, occupancy.
+
+No GPU and no driver are needed: Triton's wheel carries ``ptxas`` and ``cuobjdump``, and
+``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))`` builds a real cubin on a
+CPU machine. Each build uses the constexprs and ``num_warps`` the op launches with
+(``ops/triton_kernels.py: launch_config``) and the specialisation a launch at a K3 shape gets
+(16-byte aligned pointers, ``H`` and the row strides divisible by 16). ``cuobjdump
+--dump-resource-usage`` then reads the registers per thread, the stack frame and local memory
+of the cubin; a non-zero stack or local size is a spill (the kernel has no local arrays).
+
+Run (the whole matrix, about 2-4 minutes on 2 cores; ``--ci`` is the subset the test builds):
+
+    python tools/kernel_build.py [--ci] [--jobs 2] [--json out.json]
+
+It prints one row per build and exits 1 when any build spills. TRITON_INTERPRET must be unset
+or 0: under the interpreter ``triton.jit`` builds no compiler kernel (the tool refuses).
+
+The static estimate (a model, not a measurement), per SM:
+
+- resident programs = min over the register file (65536 32-bit registers per SM, allocated
+  per warp in units of 256, i.e. per-thread counts rounded up to a multiple of 8), the thread
+  slots (2048 per SM), the program slots (32 per SM) and shared memory (228 KB per SM, plus
+  1 KB reserved per program);
+- bytes in flight = resident programs x rows per program x source rows whose loads a program
+  has issued and not yet reduced (``PREFETCH``) x ``H`` x element size. Masked lanes above
+  ``H`` issue no loads and are not counted. The weights, prefix and delta loaded at the start
+  are not counted either: in steady state (the loop over blocks) only source loads are in
+  flight.
+
+Against it, Little's law: an H200 at ~4.8 TB/s with ~0.8 us of load latency needs about
+4.8e12 * 0.8e-6 / 132 SMs ~ 29 KB in flight per SM to stay busy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+# Register file, thread and program slots, shared memory per SM (sm_90 and sm_100 alike).
+REGS_PER_SM = 65536
+THREADS_PER_SM = 2048
+PROGRAMS_PER_SM = 32
+SHARED_PER_SM = 228 * 1024
+SHARED_RESERVED = 1024
+
+TARGETS = (90, 100)
+DTYPES = ("bfloat16", "float16", "float32")
+# K3-class widths, one not a multiple of 16 (no vectorising specialisation: the worst case
+# for registers at BLOCK_H = 8192), and one above 8192.
+SLOTS = 8  # K3: 9 blocks of 4 layers... the bank's slots at the headline shape
+WIDTHS = (2048, 4096, 7168, 8192, 8190, 16384)
+
+_TL_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+_ELEM_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def variants() -> list[tuple[str, dict]]:
+    """Every flag set the op family launches: (name, flags)."""
+    out = []
+    for op, write_mix in (("attn_res", False), ("capture", True)):
+        for delta in (True, False):
+            for write in (True, False):
+                for norm in (True, False):
+                    name = (f"{op}{'+delta' if delta else ''}{'+write' if write else ''}"
+                            f"{'+norm' if norm else ''}")
+                    out.append((name, dict(HAS_DELTA=delta, DO_WRITE=write,
+                                           HAS_OUT_NORM=norm, WRITE_OUT=True,
+                                           WRITE_MIX=write_mix)))
+    out.append(("mix", dict(HAS_DELTA=False, DO_WRITE=False, HAS_OUT_NORM=False,
+                            WRITE_OUT=False, WRITE_MIX=True)))
+    return out
+
+
+# CI subset: the superset variant (every load, store and the output norm: the most live
+# values) and the pure mixture (the decode-time tap read), in every dtype, target and width.
+CI_VARIANTS = ("capture+delta+write+norm", "attn_res+delta+write+norm", "mix")
+
+
+def _kernel_module():
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise SystemExit(
+            "kernel_build: TRITON_INTERPRET is set, so triton.jit builds interpreter kernels "
+            "that cannot be compiled; run with TRITON_INTERPRET unset (or 0)")
+    from kimi_passes.ops import triton_kernels as tk
+
+    if tk.INTERPRETED:
+        raise SystemExit("kernel_build: the kernel was built for the interpreter; unset "
+                         "TRITON_INTERPRET before triton is imported")
+    return tk
+
+
+def _cuobjdump() -> str:
+    import triton
+
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not path.exists():
+        raise SystemExit(f"kernel_build: {path} not found; this Triton wheel carries no "
+                         f"NVIDIA toolchain (install the Linux x86-64 wheel)")
+    return str(path)
+
+
+def resource_usage(cubin: bytes) -> dict:
+    """REG, STACK, SHARED, LOCAL of the one kernel in ``cubin`` (cuobjdump's report)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([_cuobjdump(), "--dump-resource-usage", f.name], check=True,
+                              capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", text)
+    if m is None:
+        raise RuntimeError(f"kernel_build: no resource line in cuobjdump's output:\n{text}")
+    return dict(zip(("regs", "stack", "shared", "local"), map(int, m.groups()), strict=True))
+
+
+def build(variant: str, dtype: str, H: int, cc: int) -> dict:
+    """Compile one variant for ``sm_<cc>`` exactly as the op launches it at width H."""
+    import torch
+
+    tk = _kernel_module()
+    fn, cfg = tk.launch_config(H, getattr(torch, dtype), aligned=H % 16 == 0, slots=SLOTS)
+    return build_config(fn, cfg, variant, dtype, H, cc)
+
+
+def build_config(fn, cfg: dict, variant: str, dtype: str, H: int, cc: int) -> dict:
+    """Compile ``fn`` with constexprs and ``num_warps`` ``cfg``; its resources and estimate."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    cfg = dict(cfg)
+    flags = dict(variants())[variant]
+    num_warps = cfg.pop("num_warps")
+    ptr = "*" + _TL_DTYPE[dtype]
+    aligned = [["tt.divisibility", 16]]
+    signature, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name.endswith("_ptr"):
+            signature[name], attrs[(i,)] = ptr, aligned
+        elif name in ("eps", "out_eps"):
+            signature[name] = "fp32"
+        elif name in ("num_blocks", "skip_idx"):
+            signature[name] = "i32"  # small, not divisible by 16 at K3 shapes
+        elif name == "H" or name.startswith("stride_"):
+            # Contiguous rows: strides are multiples of H, so divisible by 16 when H is.
+            signature[name] = "i32"
+            if H % 16 == 0:
+                attrs[(i,)] = aligned
+        else:
+            signature[name] = "constexpr"
+    constexprs = dict(flags, BF16_SOFT_RTNE=False, **cfg)
+    missing = [n for n, t in signature.items() if t == "constexpr" and n not in constexprs]
+    if missing:
+        raise RuntimeError(f"kernel_build: no value for constexpr(s) {missing}; update "
+                           f"tools/kernel_build.py with the kernel's signature")
+    src = ASTSource(fn=fn, signature=signature,
+                    constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
+                    attrs=attrs)
+    t0 = time.perf_counter()
+    kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32),
+                            options=dict(num_warps=num_warps))
+    seconds = time.perf_counter() - t0
+    use = resource_usage(kernel.asm["cubin"])
+    rows = cfg.get("ROWS", 1)
+    resident = occupancy(use["regs"], 32 * num_warps, use["shared"])
+    prefetch = cfg.get("PREFETCH", 1)  # the chunked kernel: one chunk, reduced as it lands
+    in_flight = resident * rows * prefetch * min(H, cfg.get("CHUNK", H)) * _ELEM_BYTES[dtype]
+    return dict(variant=variant, dtype=dtype, H=H, sm=cc, num_warps=num_warps,
+                kernel=fn.fn.__name__, block=cfg.get("BLOCK_H", cfg.get("CHUNK")), rows=rows,
+                prefetch=prefetch, **use, spills=use["stack"] > 0 or use["local"] > 0,
+                resident=resident, in_flight_kb=in_flight / 1024, seconds=round(seconds, 2))
+
+
+def occupancy(regs: int, threads: int, shared: int) -> int:
+    """Programs resident per SM (the occupancy calculator's register, thread, slot and
+    shared-memory limits; ``shared`` as cuobjdump reports it, reserve excluded)."""
+    warps = -(-threads // 32)
+    per_warp = -(-regs * 32 // 256) * 256
+    by_regs = (REGS_PER_SM // per_warp) // warps
+    by_threads = THREADS_PER_SM // threads
+    by_shared = SHARED_PER_SM // (shared + SHARED_RESERVED)
+    return min(by_regs, by_threads, PROGRAMS_PER_SM, by_shared)
+
+
+def _build_star(args):
+    return build(*args)
+
+
+def matrix(ci: bool) -> list[tuple[str, str, int, int]]:
+    names = CI_VARIANTS if ci else [n for n, _ in variants()]
+    return [(v, d, H, cc) for cc in TARGETS for d in DTYPES for H in WIDTHS for v in names]
+
+
+def run(ci: bool, jobs: int) -> list[dict]:
+    todo = matrix(ci)
+    if jobs <= 1:
+        return [build(*a) for a in todo]
+    with ProcessPoolExecutor(jobs) as pool:
+        return list(pool.map(_build_star, todo))
+
+
+def table(results: list[dict]) -> str:
+    head = (f"{'sm':>4} {'dtype':>8} {'H':>6} {'variant':<26} {'kernel':>7} {'block':>5} "
+            f"{'warps':>5} {'ahead':>5} {'regs':>4} {'stack':>5} {'res/SM':>6} "
+            f"{'KB in flight/SM':>15}")
+    lines = [head]
+    for r in sorted(results, key=lambda r: (r["sm"], r["dtype"], r["H"], r["variant"])):
+        kind = "chunked" if "chunked" in r["kernel"] else "row"
+        lines.append(f"{r['sm']:>4} {r['dtype']:>8} {r['H']:>6} {r['variant']:<26} {kind:>7} "
+                     f"{r['block']:>5} {r['num_warps']:>5} {r['prefetch']:>5} {r['regs']:>4} "
+                     f"{r['stack']:>5} {r['resident']:>6} {r['in_flight_kb']:>15.1f}"
+                     + ("  SPILLS" if r["spills"] else ""))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ci", action="store_true", help="the CI subset of variants")
+    ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    ap.add_argument("--json", type=Path, help="write the results here")
+    a = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    results = run(a.ci, a.jobs)
+    print(table(results))
+    spills = [r for r in results if r["spills"]]
+    print(f"{len(results)} builds in {time.perf_counter() - t0:.0f} s; "
+          f"{len(spills)} spill")
+    if a.json:
+        a.json.write_text(json.dumps(results, indent=1))
+    return 1 if spills else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
