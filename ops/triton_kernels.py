@@ -1,8 +1,9 @@
-"""Triton kernel of the AttnRes op family (DESIGN section 3).
+"""Triton kernels of the AttnRes op family (docs/design.md section 3).
 
-One ``@triton.jit`` kernel serves ``attn_res``, ``attn_res_capture`` and
+One ``@triton.jit`` row kernel serves ``attn_res``, ``attn_res_capture`` and
 ``attn_res_mix``; constexpr flags pick the prefix update, the block write, the
-output norm and which of ``out`` / ``mixed`` are stored.
+output norm and which of ``out`` / ``mixed`` are stored. Rows too wide for it
+run the chunked kernel of ``ops/triton_chunked.py`` (``launch_config`` chooses).
 
 One program handles one token row. It reads every source exactly once, with an
 online softmax over depth (running max ``m``, running sum ``l``, fp32
@@ -16,12 +17,23 @@ accumulator ``acc[BLOCK_H]``), so the bank is streamed in a single pass:
   from registers, which saves a row read and needs no barrier between the write
   and the read. The mixture therefore has the same arithmetic, bit for bit, as
   ``attn_res_mix`` run on the post-update state;
-- loads run two sources ahead of the reduction (plus weights, prefix and delta
-  up front), to keep enough bytes in flight per SM on a memory-bound stream.
+- loads run ``PREFETCH`` sources ahead of the reduction (plus weights, prefix and
+  delta up front): 3 for 16-bit rows, 2 for fp32, to keep bytes in flight per SM
+  on a memory-bound stream.
 
 ``H`` is arbitrary: ``BLOCK_H = next_power_of_2(H)`` with masked lanes, and the
 means divide by the true ``H``. Row strides are kernel arguments; the hidden
 dimension must be unit-stride (checked, never silently copied).
+
+What the offline build measures (``python tools/kernel_build.py``; CI runs a subset in
+tests/test_kernel_build.py): the cubin Triton's bundled ptxas builds for sm_90 and
+sm_100 at H = 2048, 4096, 7168, 8192, 8190 (no 16-byte specialisation) and 16384, in
+every dtype and flag set, as the op launches it. That check, not this docstring, is
+what backs the register figures; it fails on any stack or local memory (a spill).
+Its static estimate (resident programs x rows in flight x row bytes) puts 42 KB
+(H = 7168) and 48 KB (4096) of bf16 loads in flight per SM on sm_90; BENCHMARKS.md
+has the table. Rows wider than ``MAX_ROW_ALIGNED`` (16-byte-aligned rows) or
+``MAX_ROW_UNALIGNED`` (others) spill in this kernel and run the chunked one.
 
 Modes: ``triton.jit`` reads ``TRITON_INTERPRET`` when it decorates, not at launch,
 and triton.language's own jit helpers (``tl.sum``) are decorated when triton is
@@ -43,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_chunked import CHUNKED_KERNEL, INTERPRETED, jit
+from .triton_chunked import CHUNKED_KERNEL, INTERPRETED, _round_bf16, jit
 from .validate import AttnResArgumentError, validate_mix, validate_sources
 
 
@@ -103,9 +115,7 @@ def _attn_res_kernel(
         # Round to the storage dtype before the value is stored, written or mixed.
         x = x.to(tl.float32) + d.to(tl.float32)
         if BF16_SOFT_RTNE:
-            u = x.to(tl.uint32, bitcast=True)
-            u = tl.where(x != x, 0x7FC00000, u + 0x7FFF + ((u >> 16) & 1))
-            x = (u >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            x = _round_bf16(x)
         else:
             x = x.to(prefix_ptr.dtype.element_ty)
         tl.store(p_ptrs, x, mask=hmask)
@@ -151,9 +161,7 @@ def _attn_res_kernel(
     if WRITE_MIX:
         y = mixed
         if BF16_SOFT_RTNE:
-            u = y.to(tl.uint32, bitcast=True)
-            u = tl.where(y != y, 0x7FC00000, u + 0x7FFF + ((u >> 16) & 1))
-            y = (u >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            y = _round_bf16(y)
         tl.store(mix_ptr + row * stride_m + cols, y.to(mix_ptr.dtype.element_ty), mask=hmask)
     if WRITE_OUT:
         y = mixed
@@ -162,9 +170,7 @@ def _attn_res_kernel(
             ms = tl.sum(mixed * mixed, axis=0) / H
             y = mixed * tl.rsqrt(ms + out_eps) * ow
         if BF16_SOFT_RTNE:
-            u = y.to(tl.uint32, bitcast=True)
-            u = tl.where(y != y, 0x7FC00000, u + 0x7FFF + ((u >> 16) & 1))
-            y = (u >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            y = _round_bf16(y)
         tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=hmask)
 
 
@@ -174,11 +180,8 @@ _KERNEL = jit(_attn_res_kernel)
 def _num_warps(block_h: int) -> int:
     """16 elements per thread (4 warps at least, 32 at most).
 
-    At 16 elements a thread the sm_90 build of the full kernel (delta, write, output
-    norm, two sources in flight) uses about 108 registers for bf16/fp16 and 121 for
-    fp32 with no spills, so a BLOCK_H = 8192 program (16 warps) fits one per SM and
-    smaller rows fit several. Above 8192 the row no longer fits the register file
-    and the build spills.
+    Registers and spills at this setting are what tools/kernel_build.py measures; a
+    BLOCK_H = 8192 program (16 warps, 512 threads) has at most 128 registers a thread.
     """
     return min(32, max(4, block_h // 512))
 

@@ -168,3 +168,39 @@ def test_k3_tiny_compiled_on_cuda(stream, fuse, monkeypatch):
     if stream == "attn_res":
         hows = {r.how() for r in backend.aux_pass.last_rewrites}
         assert hows == ({"fused"} if fuse else {"separate attn_res_mix read"})
+
+
+def test_k3_tiny_cuda_graphs_replay_with_new_inputs(monkeypatch):
+    """kimi_backend with CUDA graphs (``reduce-overhead``'s ``triton.cudagraphs``): several
+    replays with new inputs of one shape, each tap equal to the ground truth of its inputs.
+
+    ``torch.compile(m, backend=kimi_backend, mode="reduce-overhead")`` hands ``mode`` to the
+    backend, which takes Inductor config patches instead; ``mode="reduce-overhead"`` is
+    Inductor's ``{"triton.cudagraphs": True}``, passed here the way kimi_backend takes it.
+    """
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    from kimi_passes.graphs import K3Config, K3Model
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    cfg = K3Config.tiny()
+    model = K3Model(cfg).to(DEV)
+    backend = kimi_passes.make_kimi_backend(aux_stream="attn_res",
+                                            **{"triton.cudagraphs": True})
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for step in range(5):
+            ids = torch.randint(0, cfg.vocab_size, (12,), generator=g).to(DEV)
+            torch.compiler.cudagraph_mark_step_begin()
+            hidden, taps = compiled(ids)
+            # Graph outputs live in the graph's pool: copy them before the next replay.
+            hidden, taps = hidden.clone(), [t.clone() for t in taps]
+            hidden_ref, truth = model.ground_truth(ids)
+            torch.testing.assert_close(hidden, hidden_ref, atol=1e-3, rtol=1e-3)
+            for k, got, want in zip(cfg.aux_layer_ids, taps, truth, strict=True):
+                torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3,
+                                           msg=f"replay {step}, capture id {k}")
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+    assert len(backend.aux_pass.last_rewrites) == len(cfg.aux_layer_ids)

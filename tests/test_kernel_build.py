@@ -58,17 +58,25 @@ def test_bytes_in_flight_per_sm_at_k3_widths(ci_results):
             assert r["kernel"] == "_attn_res_kernel", "K3 widths must take the one-read kernel"
 
 
-def test_a_spill_is_detected_and_fails_the_tool():
-    """The row kernel at BLOCK_H = 16384 does not fit the register file: the check sees it."""
+@pytest.mark.parametrize("H,variant,dtype", [
+    (16384, "mix", "float32"),                          # above MAX_ROW_ALIGNED
+    (8190, "capture+delta+write+norm", "bfloat16"),     # unaligned, above MAX_ROW_UNALIGNED
+])
+def test_the_row_kernel_spills_where_launch_config_leaves_it(H, variant, dtype):
+    """The row kernel past its limits spills, and the build sees it: that is why wider rows
+    run the chunked kernel (launch_config), and what the CI check would catch."""
     code = (
-        "import sys; sys.path.insert(0, sys.argv[1]); import kernel_build as kb; "
-        "tk = kb._kernel_module(); "
-        "cfg = dict(BLOCK_H=16384, PREFETCH=2, num_warps=32); "
-        "r = kb.build_config(tk._KERNEL, cfg, 'mix', 'float32', 16384, 90); "
+        "import sys, torch, triton; sys.path.insert(0, sys.argv[1]); import kernel_build as kb; "
+        "tk = kb._kernel_module(); H = int(sys.argv[2]); "
+        "cfg = dict(BLOCK_H=triton.next_power_of_2(H), PREFETCH=2, "
+        "num_warps=tk._num_warps(triton.next_power_of_2(H))); "
+        "assert tk.launch_config(H, getattr(torch, sys.argv[4]), H % 16 == 0)[0] "
+        "is tk.CHUNKED_KERNEL; "
+        "r = kb.build_config(tk._KERNEL, cfg, sys.argv[3], sys.argv[4], H, 90); "
         "print(r['stack'], r['spills'])"
     )
-    proc = subprocess.run([sys.executable, "-c", code, str(TOOL.parent)], env=_compiled_env(),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", code, str(TOOL.parent), str(H), variant, dtype],
+                          env=_compiled_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     stack, spills = proc.stdout.split()
     assert int(stack) > 0 and spills == "True"

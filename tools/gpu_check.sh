@@ -18,9 +18,19 @@
 #      full variants): roofline ratio (target >= 0.9 of a same-bytes device copy), the
 #      Triton path, eager and torch.compile baselines, the PyPI peers flash-attn-res /
 #      fast-attnres when installed
-#   4. a T sweep (1, 128, 1024) at H=7168 (no compiled baseline: its compiles cost minutes)
-#   5. peers at a power-of-two width (flash-attn-res needs one) and the fp32 headline
+#   2b. tools/kernel_build.py --ci with this machine's triton (the CI runs the pinned one):
+#      registers, stack, programs and bytes in flight per SM for sm_90 and sm_100
+#   4. CUDA graphs: the tiny K3 compiled with kimi_backend and Inductor's CUDA graphs
+#      (what mode="reduce-overhead" sets: triton.cudagraphs), replayed 5 times with new
+#      inputs of one shape, taps vs the ground truth, no cudagraph skips
+#      (tests/test_cuda.py::test_k3_tiny_cuda_graphs_replay_with_new_inputs)
+#   5. decode-regime sweep: T = 1, 8, 64, 256 at H=7168 nb=8 bf16, the full variant, against
+#      the compiled plain-torch statement and the copy roofline
 #   6. (if time is left) the tap section on CUDA with a small K3
+#   7. (if time is left) peers at a power-of-two width (flash-attn-res needs one) and fp32
+#
+# The kernel's registers, spills and occupancy need no GPU (step 2b runs the same tool that
+# CI runs): python tools/kernel_build.py (BENCHMARKS.md, "Offline kernel build").
 #
 # Importing without installing: setuptools maps ops/ -> kimi_passes.ops and
 # graphs/ -> kimi_passes.graphs, so the repository root on PYTHONPATH is not enough, and an
@@ -114,37 +124,41 @@ tests() {
         echo "still checks each candidate against the fp32 reference)"
         return 3
     fi
-    "$PY" -m pytest "$REPO/tests" -k cuda -q -rs -p no:cacheprovider \
+    "$PY" -m pytest "$REPO/tests" -k "${1:-cuda}" -q -rs -p no:cacheprovider \
         --rootdir "$REPO" --continue-on-collection-errors \
-        --junitxml "$RESULTS/tests_cuda.xml"
+        --junitxml "$RESULTS/tests_${2:-cuda}.xml"
 }
 
 bench() {
-    "$PY" "$REPO/tools/bench.py" --device cuda "$@"
+    "$PY" -m kimi_passes bench --device cuda "$@"
 }
 
 export REPO RESULTS PY
 export -f info tests bench
 
 step "info" 60 info
-step "cuda tests" 180 tests
+step "cuda tests" 180 tests "cuda and not cuda_graphs" cuda
+step "offline kernel build with this machine's triton: sm_90/sm_100, no spills (CI subset)" 60 \
+    "$PY" "$REPO/tools/kernel_build.py" --ci --jobs 8 --json "$RESULTS/kernel_build.json"
 step "op bench: the headline shape T=8192 H=7168 nb=8 bf16 (target roof >= 0.9)" 150 \
     bench --only op --T 8192 --H 7168 --blocks 8 --dtypes bfloat16 --variants read full \
     --out "$RESULTS/op_headline.json" --text "$RESULTS/op_headline.txt"
-step "op bench: T sweep at H=7168 nb=8 bf16" 90 \
-    bench --only op --T 1 128 1024 --H 7168 --blocks 8 --dtypes bfloat16 \
-    --variants read full --no-compiled --out "$RESULTS/op_sweep.json" \
-    --text "$RESULTS/op_sweep.txt"
-step "op bench: peers at H=4096 (flash-attn-res needs a power of 2) and fp32" 100 \
+step "cuda graphs: tiny K3, kimi_backend + triton.cudagraphs, 5 replays, taps vs truth" 90 \
+    tests cuda_graphs cuda_graphs
+step "op bench: decode sweep T=1,8,64,256 at H=7168 nb=8 bf16 (full) vs compiled, copy" 100 \
+    bench --only op --T 1 8 64 256 --H 7168 --blocks 8 --dtypes bfloat16 --variants full \
+    --out "$RESULTS/op_decode.json" --text "$RESULTS/op_decode.txt"
+step "tap bench (small K3 on CUDA)" 100 \
+    bench --only tap --quick --out "$RESULTS/tap.json" --text "$RESULTS/tap.txt"
+step "op bench: peers at H=4096 (flash-attn-res needs a power of 2) and fp32" 80 \
     bench --only op --T 8192 --H 4096 7168 --blocks 8 --dtypes bfloat16 float32 \
     --variants read --no-compiled --out "$RESULTS/op_peers.json" --text "$RESULTS/op_peers.txt"
-step "tap bench (small K3 on CUDA)" 150 \
-    bench --only tap --quick --out "$RESULTS/tap.json" --text "$RESULTS/tap.txt"
 
 echo
 echo "=== summary ($((SECONDS - START))s) ==="
 for s in "${STATUS[@]}"; do echo "  $s"; done
 grep -h -E "^ +(MET|MISS) " "$RESULTS"/*.txt 2>/dev/null | sort -u
+[ -f "$RESULTS/op_decode.txt" ] && { echo "--- decode sweep ---"; cat "$RESULTS/op_decode.txt"; }
 {
     for s in "${STATUS[@]}"; do echo "$s"; done
     grep -h -E "^ +(MET|MISS) " "$RESULTS"/*.txt 2>/dev/null | sort -u

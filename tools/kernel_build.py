@@ -2,30 +2,36 @@
 
 No GPU and no driver are needed: Triton's wheel carries ``ptxas`` and ``cuobjdump``, and
 ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))`` builds a real cubin on a
-CPU machine. Each build uses the constexprs and ``num_warps`` the op launches with
-(``ops/triton_kernels.py: launch_config``) and the specialisation a launch at a K3 shape gets
-(16-byte aligned pointers, ``H`` and the row strides divisible by 16). ``cuobjdump
---dump-resource-usage`` then reads the registers per thread, the stack frame and local memory
-of the cubin; a non-zero stack or local size is a spill (the kernel has no local arrays).
+CPU machine. Each build uses the kernel and the constexprs and ``num_warps`` the op launches
+with (``ops/triton_kernels.py: launch_config``) and the specialisation such a launch gets:
+16-byte aligned pointers, and ``H`` and the row strides divisible by 16 when ``H`` is (the
+matrix has one width, 8190, that is not: Triton then loads element by element). ``cuobjdump
+--dump-resource-usage`` reads the registers per thread, the stack frame and local memory of
+the cubin; a non-zero stack or local size is a spill (the kernels have no local arrays).
 
-Run (the whole matrix, about 2-4 minutes on 2 cores; ``--ci`` is the subset the test builds):
+Run (the whole matrix, 612 builds, about 4 minutes on 2 cores; ``--ci`` is the subset that
+tests/test_kernel_build.py builds: 3 variants, 108 builds, about 40 s):
 
     python tools/kernel_build.py [--ci] [--jobs 2] [--json out.json]
 
-It prints one row per build and exits 1 when any build spills. TRITON_INTERPRET must be unset
-or 0: under the interpreter ``triton.jit`` builds no compiler kernel (the tool refuses).
+It prints one row per build and a summary per (target, dtype, H), and exits 1 when any build
+spills. TRITON_INTERPRET must be unset or 0: under the interpreter ``triton.jit`` builds no
+compilable kernel (the tool refuses).
 
 The static estimate (a model, not a measurement), per SM:
 
 - resident programs = min over the register file (65536 32-bit registers per SM, allocated
   per warp in units of 256, i.e. per-thread counts rounded up to a multiple of 8), the thread
   slots (2048 per SM), the program slots (32 per SM) and shared memory (228 KB per SM, plus
-  1 KB reserved per program);
-- bytes in flight = resident programs x rows per program x source rows whose loads a program
-  has issued and not yet reduced (``PREFETCH``) x ``H`` x element size. Masked lanes above
-  ``H`` issue no loads and are not counted. The weights, prefix and delta loaded at the start
-  are not counted either: in steady state (the loop over blocks) only source loads are in
-  flight.
+  1 KB reserved per program); the same for sm_90 and sm_100;
+- bytes in flight = resident programs x rows per program (1) x source rows a program has
+  issued loads for and not yet reduced x the bytes of one such row. Row kernel: ``PREFETCH``
+  rows (3 for 16-bit, 2 for fp32) of ``H`` elements; masked lanes above ``H`` issue no loads
+  and are not counted. Chunked kernel: one chunk (``CHUNK`` elements), reduced as it lands.
+  The weights, prefix and delta loaded once per row are not counted: in steady state (the
+  loop over blocks) only source loads are in flight. The model assumes every resident
+  program is in that loop and that the loads issued are all outstanding; it ignores the
+  L2, DRAM scheduling and the time a program spends outside the loop.
 
 Against it, Little's law: an H200 at ~4.8 TB/s with ~0.8 us of load latency needs about
 4.8e12 * 0.8e-6 / 132 SMs ~ 29 KB in flight per SM to stay busy.
@@ -220,18 +226,39 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def summary(results: list[dict]) -> str:
+    """Per (target, dtype, H): the worst variant's registers, stack, residency, bytes."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        groups.setdefault((r["sm"], r["dtype"], r["H"]), []).append(r)
+    lines = ["| sm | dtype | H | kernel | warps | rows ahead | regs (max) | stack (max) | "
+             "programs/SM (min) | KB in flight/SM (min) | variants |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (sm, dtype, H), rs in sorted(groups.items()):
+        kind = "chunked" if "chunked" in rs[0]["kernel"] else "row"
+        lines.append(
+            f"| {sm} | {dtype} | {H} | {kind} {rs[0]['block']} | {rs[0]['num_warps']} | "
+            f"{rs[0]['prefetch']} | {max(r['regs'] for r in rs)} | "
+            f"{max(r['stack'] for r in rs)} | {min(r['resident'] for r in rs)} | "
+            f"{min(r['in_flight_kb'] for r in rs):.1f} | {len(rs)} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ci", action="store_true", help="the CI subset of variants")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--from-json", type=Path, help="print the tables of an earlier --json")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
-    results = run(a.ci, a.jobs)
+    results = json.loads(a.from_json.read_text()) if a.from_json else run(a.ci, a.jobs)
     print(table(results))
+    print()
+    print(summary(results))
     spills = [r for r in results if r["spills"]]
-    print(f"{len(results)} builds in {time.perf_counter() - t0:.0f} s; "
-          f"{len(spills)} spill")
+    took = "read back" if a.from_json else f"in {time.perf_counter() - t0:.0f} s"
+    print(f"{len(results)} builds {took}; {len(spills)} spill")
     if a.json:
         a.json.write_text(json.dumps(results, indent=1))
     return 1 if spills else 0
