@@ -1,4 +1,4 @@
-"""The Triton AttnRes kernel against the plain-torch reference (DESIGN section 3).
+"""The Triton AttnRes kernel against the plain-torch reference (docs/design.md section 3).
 
 On CPU the kernel runs under the Triton interpreter (conftest sets
 TRITON_INTERPRET before triton is imported), which costs milliseconds per
