@@ -19,6 +19,9 @@ source; it emits the mixture as a second output, one extra [T,H] write)::
                                 _all_bases=[prefix, bank])
     out, tap, prefix', bank' = af[0], af[1], af[2], af[3]
 
+An ``auto_functionalized`` (v1) consumer, vLLM's default, is rewritten the same way:
+both forms return the op's outputs and then the mutated bases' new values.
+
 A consumer without an output norm (the output aggregation) already returns the
 mixture: the tap reads ``af[0]``. With ``fuse=False`` the tap is a separate
 ``kimi.attn_res_mix`` over the consumer's updated prefix and bank, the way vLLM
@@ -27,7 +30,8 @@ captures it (a second read of the bank; for A/B and benchmarks).
 Refused with ``AuxCaptureError`` (at compile time, never a silent fallback): a
 tap with no consumer in the graph (the end of a non-final pipeline stage), a
 consumer whose layer or ``num_blocks`` contradicts the capture id, two taps
-claiming one id, and markers in a graph with no AttnRes op.
+claiming one id, and markers in a graph with no AttnRes op. Under a host that compiles
+the model in pieces (vLLM), a tap cut off from its consumer names the splitting ops.
 """
 
 from __future__ import annotations
@@ -35,7 +39,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
 from torch.fx import Node
 
 from kimi_passes.consumer import (
@@ -46,6 +49,7 @@ from kimi_passes.consumer import (
     mix_nodes,
 )
 from kimi_passes.errors import AuxCaptureError
+from kimi_passes.host_key import check_host_key
 from kimi_passes.inductor_pass import KimiGraphPass, logger
 
 STREAMS = ("attn_res", "prefix")
@@ -88,11 +92,16 @@ class AuxStreamPass(KimiGraphPass):
         self.fuse = fuse
         #: Rewrites made by the last call (for tests, tools and the main job).
         self.last_rewrites: list[TapRewrite] = []
+        #: Set by a host that compiles the model in pieces (kimi_passes.vllm): the ops
+        #: the graph was split at, so that a tap cut off from its consumer is blamed on
+        #: the split rather than on a pipeline stage. Not an option: it changes messages only.
+        self.split_ops: tuple[str, ...] | None = None
 
     def options(self) -> dict:
         return {"stream": self.stream, "fuse": self.fuse}
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        check_host_key(self)
         taps = [n for n in graph.nodes if n.op == "call_function" and n.target is AUX_TAP]
         self.last_rewrites = []
         if not taps:
@@ -124,7 +133,8 @@ class AuxStreamPass(KimiGraphPass):
         value, capture_id = tap.args
         # The prefix stream needs no consumer (a boundary tap, or no AttnRes op at all, is
         # served as is: the remedy the refusals name); one that is found is still checked.
-        consumer = _find_consumer(graph, tap, geometry, required=self.stream != "prefix")
+        consumer = _find_consumer(graph, tap, geometry, required=self.stream != "prefix",
+                                  split_ops=self.split_ops)
         if self.stream == "prefix":
             new, fused = value, None
         elif isinstance(consumer, Node):  # an attn_res_mix already reads it
@@ -167,16 +177,12 @@ def _position(node: Node) -> int:
 def _to_capture(graph: torch.fx.Graph, call: AttnResCall) -> AttnResCall:
     """Swap ``call`` for ``kimi.attn_res_capture``, keeping every reader of its outputs."""
     old = call.node
-    if old.target is not auto_functionalized_v2:
-        kwargs = dict(old.kwargs)
-        raise AuxCaptureError(
-            "AuxStreamPass: the consumer is an auto_functionalized (v1) node, which this "
-            "pass does not rewrite; enable torch._inductor.config.enable_auto_functionalized_v2 "
-            f"(the default) or use fuse=False. Consumer kwargs: {sorted(kwargs)}"
-        )
+    # v1 and v2 both return (op outputs..., new values of the mutated bases): the op's
+    # kwargs carry over as they are (attn_res_capture takes attn_res's arguments) and
+    # every output after the first moves one place for the extra mixture output.
     with graph.inserting_before(old):
         new = graph.call_function(
-            auto_functionalized_v2, (kimi.attn_res_capture.default,), dict(old.kwargs)
+            old.target, (kimi.attn_res_capture.default,), dict(old.kwargs)
         )
     new.meta.update(old.meta)
     out_val, *bases = old.meta["val"]
@@ -240,11 +246,14 @@ def _check_unique_ids(taps: list[Node], geometry: _Geometry) -> None:
         seen[k] = tap
 
 
-def _find_consumer(graph: torch.fx.Graph, tap: Node, geometry: _Geometry, required=True):
+def _find_consumer(graph: torch.fx.Graph, tap: Node, geometry: _Geometry, required=True,
+                   split_ops=None):
     value, k = tap.args
     found = find_consumers(graph, value, geometry.calls, geometry.mixes)
     if not required and (not geometry.has_attn_res or not found):
         return None
+    if not found and split_ops is not None:
+        _refuse_split(k, split_ops, geometry)
     if not geometry.has_attn_res:
         raise AuxCaptureError(
             f"capture id {k}: the aux tap marker has no AttnRes op to mix with in this graph "
@@ -301,3 +310,29 @@ def _check_consumer(k: int, call: AttnResCall, geometry: _Geometry) -> None:
             f"completed blocks, but the consumer mixes num_blocks={nb}. Remedy: pass "
             f"num_blocks=cdiv(i, block_size) for layer i, or fix the tap's capture id"
         )
+
+
+def _refuse_split(k: int, split_ops: tuple[str, ...], geometry: _Geometry) -> None:
+    """No consumer in one piece of a graph split at ``split_ops`` (vLLM piecewise)."""
+    kimi_ops = [op for op in split_ops if op.split(".")[0].startswith("kimi::")]
+    if kimi_ops:
+        raise AuxCaptureError(
+            f"capture id {k} has no consumer in this graph: vLLM's piecewise compilation "
+            f"split the model at splitting_ops {list(split_ops)}, and {kimi_ops} puts each "
+            "AttnRes call in a piece of its own that Inductor does not compile, away from "
+            "the tap that reads its mixture. Remedy: do not split at kimi AttnRes ops: "
+            f"remove {kimi_ops} from CompilationConfig.splitting_ops (vLLM's default, its "
+            "attention ops, keeps each tap with its consumer)"
+        )
+    if geometry.first_layer is not None:
+        where = f"AttnRes calls of layers [{geometry.first_layer}, {geometry.last_layer + 1})"
+    else:
+        where = "AttnRes calls" if geometry.has_attn_res else "no AttnRes op"
+    raise AuxCaptureError(
+        f"capture id {k} has no consumer in this graph (it holds {where}), one piece of vLLM's "
+        f"piecewise split at splitting_ops {list(split_ops)}. Either a splitting op sits "
+        "between the tap and the AttnRes call that reads it (remedy: tap right before that "
+        "call, with no splitting op in between), or the consumer runs on the next "
+        f"pipeline stage (remedy: tap capture id {k} on the stage that owns layer {k}); "
+        "or compile with aux_stream='prefix' if the drafter was trained on the prefix stream"
+    )

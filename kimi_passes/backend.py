@@ -17,6 +17,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from kimi_passes.aux_stream import AuxStreamPass
 from kimi_passes.errors import AuxCaptureError
 from kimi_passes.fusion import AttnResFusionPass
+from kimi_passes.host_key import check_host_key
 from kimi_passes.stream import resolve_aux_stream
 
 BACKEND_NAME = "kimi"
@@ -32,6 +33,7 @@ class KimiPassManager(CustomGraphPass):
         self.passes = list(passes)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        check_host_key(self)
         for p in self.passes:
             p(graph)
 

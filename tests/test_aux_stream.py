@@ -187,6 +187,34 @@ def test_generated_code_has_no_marker_and_no_extra_mixing_kernels():
     assert _kimi_calls(code_sep) == 2 * 4 + 1 + 4
 
 
+_CODE_COUNTS = {"buffers": r"empty_strided_cpu\(", "clones": r"clone",
+                "capture": r"kimi\.attn_res_capture\.default\(", "mix": r"attn_res_mix"}
+
+
+@torch.no_grad()
+def test_fused_capture_on_auto_functionalized_v1():
+    """vLLM's default functionalization (v1): the consumer's kernel emits the mixture.
+
+    v1 and v2 compile to the same code shape (the same buffers, clones and kimi calls:
+    attn_res_capture for the two normed consumers, no attn_res_mix, so one extra [T, H]
+    write per tap and no second read of the bank) and bit-identical taps.
+    """
+    cfg = small_config(3, 2, (0, 2, 3))
+    model = inference_model(cfg)
+    ids = token_ids(cfg)
+    taps, shape = {}, {}
+    for v2 in (False, True):
+        with inductor_config.patch(enable_auto_functionalized_v2=v2):
+            (_, taps[v2]), (code,) = run_and_get_code(compile_model(model), ids)
+        shape[v2] = {k: len(re.findall(p, code)) for k, p in _CODE_COUNTS.items()}
+        assert _kimi_calls(code) == 2 * 3 + 1
+    assert shape[False] == shape[True]
+    assert (shape[False]["capture"], shape[False]["mix"]) == (2, 0)
+    for a, b in zip(taps[False], taps[True], strict=True):
+        assert torch.equal(a, b)
+    assert_taps_close(taps[False], model.ground_truth(ids)[1], torch.float32)
+
+
 @torch.no_grad()
 def test_backend_by_name_with_options():
     cfg = small_config(3, 2, (1, 3))
