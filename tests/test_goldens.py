@@ -160,6 +160,26 @@ class TestGoldens(GoldenTestCase):
         self.assertEqual([r.fused for r in rec.last.rewrites], [True, True, True])
         self.assertIn("block_write_idx=1", rec.last.rewrites[1].consumer)
 
+    def test_taps_0_write_L_fused_v1(self):
+        """vLLM's default, auto_functionalized (v1): the consumers' kernels emit the mixture.
+
+        graph_text prints v1 and v2 calls alike; this golden holds the v2 one's lines
+        (taps_0_write_L_fused) in another order (a few weight reshapes move), which is
+        asserted, and that the graph really is v1 is checked on the nodes.
+        """
+        model = K3Model(small())
+        with torch._inductor.config.patch(enable_auto_functionalized_v2=False):
+            rec = self.check("taps_0_write_L_fused_v1", model, (ids(),), view="skeleton",
+                             fuse_capture=True, op_counts=counts(attn_res=5, capture=2))
+        af = [n for n in rec.last.after.nodes if "auto_functionalized" in str(n.target)]
+        self.assertEqual(len(af), 7)
+        self.assertTrue(all(str(n.target) == "auto_functionalized" for n in af))
+        self.assertEqual([r.fused for r in rec.last.rewrites], [True, True, True])
+        # Line for line the v2 golden, in another order (node numbers blanked).
+        lines = lambda name: sorted(re.sub(r"\bv\d+\b", "v#", (
+            GOLDEN_DIR / f"{name}.txt").read_text()).splitlines())
+        self.assertEqual(lines("taps_0_write_L_fused_v1"), lines("taps_0_write_L_fused"))
+
     def test_taps_0_write_L_unfused(self):
         model = K3Model(small())
         rec = self.check("taps_0_write_L_unfused", model, (ids(),), view="skeleton",
