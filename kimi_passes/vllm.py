@@ -1,0 +1,140 @@
+"""kimi_passes inside vLLM: the pass manager as a vLLM ``InductorPass``.
+
+vLLM compiles with its own backend and accepts one user post-grad pass, which
+must be an instance of its ``InductorPass``::
+
+    from kimi_passes.vllm import compile_config_entries
+    CompilationConfig(inductor_compile_config=compile_config_entries(aux_stream="attn_res"))
+
+This module imports vLLM; ``import kimi_passes`` never imports it.
+
+The string route ``CompilationConfig(inductor_passes={"post_grad_custom_post_pass":
+"kimi_passes.vllm.attn_res_stream_pass"})`` (or ``...prefix_stream_pass``) is safe too:
+vLLM resolves ``"a.b.name"`` by importing ``a.b`` and reading ``name`` from the top
+package ``a``, so importing this module also publishes those two objects on
+``kimi_passes``. They are ``InductorPass`` instances, so vLLM keeps them as they are
+(no ``CallableInductorPass`` wrapper, whose key would hash the class source only).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+try:
+    import vllm  # noqa: F401
+except ImportError as e:  # pragma: no cover - exercised in a process without vLLM
+    raise ImportError(
+        "kimi_passes.vllm needs vLLM: install it (`pip install vllm`; on this project's CPU "
+        "CI `bash tools/install_vllm.sh`), or use kimi_passes.kimi_backend / "
+        "kimi_passes.AuxStreamPass without vLLM"
+    ) from e
+
+try:  # vLLM from early 2026 on
+    from vllm.compilation.passes.inductor_pass import InductorPass
+except ImportError:  # older vLLM
+    from vllm.compilation.inductor_pass import InductorPass
+
+import torch
+
+from kimi_passes.aux_stream import AuxStreamPass
+from kimi_passes.backend import KimiPassManager, build_passes
+from kimi_passes.errors import AuxCaptureError
+from kimi_passes.stream import resolve_aux_stream
+
+#: The key vLLM reads the user's post-grad pass from.
+PASS_KEY = "post_grad_custom_post_pass"
+
+
+class KimiVllmPass(InductorPass):
+    """vLLM's ``InductorPass`` running the ``kimi_backend`` pass manager.
+
+    ``uuid()`` is the manager's (every pass source, the stream and every option), so
+    vLLM's compile cache and Inductor's FX graph cache never serve one stream's graph
+    to another.
+    """
+
+    def __init__(self, aux_stream: str, fuse_capture: bool = True,
+                 fuse_torch_mixing: bool = True):
+        self.aux_stream = aux_stream
+        self.fuse_capture = fuse_capture
+        self.fuse_torch_mixing = fuse_torch_mixing
+        self.manager: KimiPassManager = build_passes(aux_stream, fuse_capture,
+                                                     fuse_torch_mixing)
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        split_ops = _splitting_ops()
+        marker_ops = [op for op in split_ops or () if op.split(".")[0] == "kimi::aux_tap"]
+        if marker_ops:
+            # The marker would run uncompiled in a piece of its own: the identity, so the
+            # pass never sees it and every tap silently reads the running prefix.
+            raise AuxCaptureError(
+                f"kimi_passes: CompilationConfig.splitting_ops lists {marker_ops}: every "
+                "aux tap marker then runs uncompiled in a piece of its own, where the pass "
+                "never sees it, and the taps would silently read the running prefix "
+                "(aliasing it as the next AttnRes call updates it in place). Remedy: "
+                f"remove {marker_ops} from splitting_ops")
+        self.manager.get(AuxStreamPass).split_ops = split_ops
+        self.manager(graph)
+
+    def uuid(self) -> str:
+        return self.manager.uuid()
+
+    def is_applicable_for_range(self, compile_range) -> bool:
+        return True
+
+    def is_applicable_for_shape(self, shape) -> bool:  # vLLM before compile ranges
+        return True
+
+    def __deepcopy__(self, memo):
+        # vLLM deep-copies its config; a fresh manager with the same options is equal.
+        return KimiVllmPass(self.aux_stream, self.fuse_capture, self.fuse_torch_mixing)
+
+    def __repr__(self) -> str:
+        return (f"KimiVllmPass(aux_stream={self.aux_stream!r}, "
+                f"fuse_capture={self.fuse_capture}, "
+                f"fuse_torch_mixing={self.fuse_torch_mixing})")
+
+
+def _splitting_ops() -> tuple[str, ...] | None:
+    """The ops vLLM split the graph at, when it compiles it piecewise (None: one graph)."""
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+    except ImportError:  # older vLLM: the messages then name every possible cause
+        return None
+    config = get_current_vllm_config_or_none()
+    if config is None:
+        return None
+    cc = config.compilation_config
+    if getattr(cc, "use_inductor_graph_partition", False) or not cc.splitting_ops:
+        return None
+    return tuple(cc.splitting_ops)
+
+
+def aux_stream_pass(aux_stream: str | None = None, draft_config=None, fuse_capture: bool = True,
+                    fuse_torch_mixing: bool = True) -> KimiVllmPass:
+    """The kimi passes as vLLM's ``post_grad_custom_post_pass``.
+
+    The stream resolves as for ``make_kimi_backend``: ``aux_stream``, else
+    ``$KIMI_PASSES_AUX_STREAM``, else the drafter config's ``aux_hidden_stream``,
+    else ``"attn_res"``; once, here.
+    """
+    stream = resolve_aux_stream(aux_stream, draft_config)
+    return KimiVllmPass(stream, fuse_capture, fuse_torch_mixing)
+
+
+def compile_config_entries(aux_stream: str | None = None, draft_config=None,
+                           fuse_capture: bool = True,
+                           fuse_torch_mixing: bool = True) -> dict[str, Any]:
+    """The ``CompilationConfig.inductor_compile_config`` entries to add, as a dict."""
+    return {PASS_KEY: aux_stream_pass(aux_stream, draft_config, fuse_capture,
+                                      fuse_torch_mixing)}
+
+
+#: For the string route (see the module docstring); fixed streams, default options.
+attn_res_stream_pass = KimiVllmPass("attn_res")
+prefix_stream_pass = KimiVllmPass("prefix")
+
+_top = sys.modules["kimi_passes"]
+_top.attn_res_stream_pass = attn_res_stream_pass
+_top.prefix_stream_pass = prefix_stream_pass

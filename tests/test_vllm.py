@@ -1,0 +1,338 @@
+"""kimi_passes inside vLLM's real compile path (vLLM 0.33.0, CPU; harness: vllm_harness.py).
+
+Each model is compiled through ``@support_torch_compile`` and ``VllmBackend``: Dynamo's
+graph is split at the attention custom op listed in ``splitting_ops`` (the number of
+pieces is asserted), each piece goes through Inductor with vLLM's ``PostGradPassManager``,
+which runs ``kimi_passes.vllm.aux_stream_pass``. Two model shapes x vLLM's default
+functionalization (``auto_functionalized`` v1) and v2 x {attn_res fused, attn_res unfused,
+prefix}; one dynamic graph serves two token counts; every tap is compared with the eager
+ground truth, and v1 and v2 taps must be bit-identical. Then: the split refusal, the
+string route, and three processes sharing one vLLM cache root.
+
+Without vLLM the module skips (``bash tools/install_vllm.sh`` installs it); with
+``KIMI_PASSES_REQUIRE_VLLM=1`` (set by .ci/run) test_vllm_required.py then fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib.util
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:  # test_vllm_required.py fails on CI then
+    pytest.skip("vLLM is not installed (bash tools/install_vllm.sh installs it)",
+                allow_module_level=True)
+
+import torch  # noqa: E402
+import vllm_harness as h  # noqa: E402
+from kimi_passes.graphs.k3 import K3Config  # noqa: E402
+
+from kimi_passes import AuxCaptureError  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+TOL = 1e-5
+
+MODELS = {
+    # The reference tiny K3: 4 layers, 2 blocks of 2, H=64, taps 0, 2 (a write), 3, L=4.
+    "k3_tiny": K3Config.tiny(),
+    # Another shape: 3 layers, block size 1 (every layer writes a block), H=32, all taps.
+    "l3_s1": K3Config(num_layers=3, hidden_size=32, attn_res_block_size=1, num_heads=4,
+                      intermediate_size=64, vocab_size=64, aux_layer_ids=(0, 1, 2, 3),
+                      seed=1),
+}
+# (stream, fuse_capture): fused and not in the attn_res stream; the prefix stream once
+# per model, with the fuse option on for one and off for the other (it only keys the cache).
+VARIANTS = {"k3_tiny": [("attn_res", True), ("attn_res", False), ("prefix", True)],
+            "l3_s1": [("attn_res", True), ("attn_res", False), ("prefix", False)]}
+TOKENS = (9, 5)  # two token counts on one dynamic graph
+
+
+class _Rewrites(logging.Handler):
+    """Collects the aux-stream pass's per-graph INFO line (one per compiled piece)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        msg = record.getMessage()
+        if msg.startswith("AuxStreamPass(stream="):
+            self.lines.append(msg)
+
+
+_RESULTS: dict = {}
+
+
+@contextlib.contextmanager
+def caches_off():
+    """vLLM's compile cache and Inductor's caches off: every piece goes through the pass.
+
+    ``force_disable_caches`` alone would make vLLM's AOT path refuse to precompile;
+    ``VLLM_DISABLE_COMPILE_CACHE`` (read by vLLM on each use) switches that path off.
+    """
+    old = os.environ.get("VLLM_DISABLE_COMPILE_CACHE")
+    os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
+    try:
+        with torch._inductor.config.patch(force_disable_caches=True):
+            yield
+    finally:
+        if old is None:
+            del os.environ["VLLM_DISABLE_COMPILE_CACHE"]
+        else:
+            os.environ["VLLM_DISABLE_COMPILE_CACHE"] = old
+
+
+def compiled(name: str, v2: bool, stream: str, fuse: bool) -> dict:
+    """Compile once per (model, functionalization, stream, fuse) and run both token counts."""
+    key = (name, v2, stream, fuse)
+    if key in _RESULTS:
+        return _RESULTS[key]
+    from kimi_passes.vllm import compile_config_entries
+
+    cfg = MODELS[name]
+    config = h.vllm_config(
+        inductor_compile_config=compile_config_entries(stream, fuse_capture=fuse), v2=v2)
+    torch._dynamo.reset()
+    model = h.compile_k3(cfg, config)
+    logger = logging.getLogger("kimi_passes")
+    handler, level = _Rewrites(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    counter = h.counter()
+    before = counter.clone()
+    got, want = {}, {}
+    try:
+        with caches_off():  # CI starts cold anyway
+            for T in TOKENS:
+                ids = h.token_ids(cfg, T, seed=T)
+                got[T] = h.run(model, config, ids)[1]
+                with torch.no_grad():
+                    want[T] = (h.ground_truth(model, ids) if stream == "attn_res"
+                               else list(model.k3(ids)[1]))
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    _RESULTS[key] = {
+        "cfg": cfg, "got": got, "want": want, "rewrites": handler.lines,
+        "pieces": counter.num_piecewise_graphs_seen - before.num_piecewise_graphs_seen,
+        "compiled_pieces": (counter.num_piecewise_capturable_graphs_seen
+                            - before.num_piecewise_capturable_graphs_seen),
+        "graphs": counter.num_graphs_seen - before.num_graphs_seen,
+    }
+    return _RESULTS[key]
+
+
+CASES = [pytest.param(name, v2, stream, fuse,
+                      id=f"{name}-{'v2' if v2 else 'v1'}-{stream}-{'fused' if fuse else 'unfused'}")
+         for name in MODELS for v2 in (False, True) for stream, fuse in VARIANTS[name]]
+
+
+@pytest.mark.parametrize("name,v2,stream,fuse", CASES)
+def test_taps_through_vllm(name, v2, stream, fuse):
+    r = compiled(name, v2, stream, fuse)
+    cfg = r["cfg"]
+    L = cfg.num_layers
+    # One Dynamo graph, split at the L attention ops: 2L + 1 pieces, L + 1 of them compiled.
+    assert r["graphs"] == 1
+    assert r["pieces"] == 2 * L + 1
+    assert r["compiled_pieces"] == L + 1
+    for T in TOKENS:
+        got, want = r["got"][T], r["want"][T]
+        assert len(got) == len(cfg.aux_layer_ids)
+        for k, g, w in zip(cfg.aux_layer_ids, got, want, strict=True):
+            assert g.shape == (T, cfg.hidden_size)
+            err = (g - w).abs().max().item()
+            assert err <= TOL, f"T={T} capture id {k}: max abs err {err:.3g}"
+    # The pass ran in the pieces holding taps, once per piece, and rewrote every tap.
+    ids = sorted(int(m) for line in r["rewrites"] for m in re.findall(r"id (\d+) <-", line))
+    assert ids == sorted(cfg.aux_layer_ids)
+    how = {"attn_res": "fused" if fuse else "separate attn_res_mix read",
+           "prefix": "running prefix"}[stream]
+    for line in r["rewrites"]:
+        assert f"stream={stream})" in line
+        assert all(h_ == how for h_ in re.findall(r"\(([^()]*)\)(?:;|$)", line)), line
+
+
+@pytest.mark.parametrize("name,stream,fuse", [
+    pytest.param(name, stream, fuse, id=f"{name}-{stream}-{'fused' if fuse else 'unfused'}")
+    for name in MODELS for stream, fuse in VARIANTS[name]])
+def test_v1_and_v2_taps_bit_identical(name, stream, fuse):
+    v1, v2 = compiled(name, False, stream, fuse), compiled(name, True, stream, fuse)
+    for T in TOKENS:
+        for a, b in zip(v1["got"][T], v2["got"][T], strict=True):
+            assert torch.equal(a, b)
+
+
+def test_split_at_attn_res_is_refused_naming_the_splitting_op():
+    """``splitting_ops`` with kimi::attn_res cuts each tap off from its consumer."""
+    from kimi_passes.vllm import compile_config_entries
+
+    config = h.vllm_config(inductor_compile_config=compile_config_entries("attn_res"),
+                           splitting_ops=(h.ATTENTION_OP, "kimi::attn_res"))
+    text = _refusal(MODELS["l3_s1"], config)
+    assert "capture id 0 has no consumer in this graph: vLLM's piecewise compilation" in text
+    assert "kimi::attn_res" in text
+    assert "remove ['kimi::attn_res'] from CompilationConfig.splitting_ops" in text
+    assert "pipeline" not in text
+
+
+def _refusal(cfg, config, end_layer=None) -> str:
+    torch._dynamo.reset()
+    model = h.compile_k3(cfg, config, end_layer)
+    with caches_off(), pytest.raises(Exception) as info:
+        h.run(model, config, h.token_ids(cfg, 5))
+    text = str(info.value)
+    assert "AuxCaptureError" in text or isinstance(info.value, AuxCaptureError), text
+    return text
+
+
+def test_boundary_tap_in_a_piece_names_both_causes():
+    """A non-final stage's boundary tap, split at attention only: the message names the
+    piecewise split and the pipeline stage, with both remedies."""
+    from kimi_passes.vllm import compile_config_entries
+
+    cfg = MODELS["k3_tiny"]
+    config = h.vllm_config(inductor_compile_config=compile_config_entries("attn_res"))
+    text = _refusal(cfg, config, end_layer=2)
+    assert ("capture id 2 has no consumer in this graph (it holds AttnRes calls of layers "
+            "[1, 2)), one piece of vLLM's piecewise split at splitting_ops "
+            f"['{h.ATTENTION_OP}']") in text
+    assert "a splitting op sits between the tap and the AttnRes call" in text
+    assert "tap capture id 2 on the stage that owns layer 2" in text
+
+
+@pytest.mark.parametrize("stream", ["attn_res", "prefix"])
+def test_split_at_the_tap_marker_is_refused(stream):
+    """kimi::aux_tap in splitting_ops would leave every marker uncompiled (the identity)."""
+    from kimi_passes.vllm import compile_config_entries
+
+    config = h.vllm_config(inductor_compile_config=compile_config_entries(stream),
+                           splitting_ops=(h.ATTENTION_OP, "kimi::aux_tap"))
+    text = _refusal(MODELS["l3_s1"], config)
+    assert "splitting_ops lists ['kimi::aux_tap']" in text
+    assert "remove ['kimi::aux_tap'] from splitting_ops" in text
+
+
+def test_adapter_object():
+    from kimi_passes.backend import build_passes
+    from kimi_passes.vllm import InductorPass, KimiVllmPass, aux_stream_pass
+
+    p = aux_stream_pass("prefix", fuse_capture=False)
+    assert isinstance(p, InductorPass)
+    assert p.uuid() == build_passes("prefix", False, True).uuid()
+    assert len({aux_stream_pass(s, fuse_capture=f, fuse_torch_mixing=m).uuid()
+                for s in ("attn_res", "prefix") for f in (True, False)
+                for m in (True, False)}) == 8
+    assert p.is_applicable_for_range(None) and p.is_applicable_for_shape(None)
+    q = copy.deepcopy(p)
+    assert isinstance(q, KimiVllmPass) and q is not p and q.manager is not p.manager
+    assert (q.aux_stream, q.fuse_capture, q.uuid()) == ("prefix", False, p.uuid())
+
+
+def test_adapter_stream_resolution(monkeypatch, tmp_path):
+    from kimi_passes.vllm import aux_stream_pass
+
+    monkeypatch.delenv("KIMI_PASSES_AUX_STREAM", raising=False)
+    draft = tmp_path / "config.json"
+    draft.write_text(json.dumps({"aux_hidden_stream": "prefix"}))
+    assert aux_stream_pass().aux_stream == "attn_res"
+    assert aux_stream_pass(draft_config=str(draft)).aux_stream == "prefix"
+    monkeypatch.setenv("KIMI_PASSES_AUX_STREAM", "attn_res")
+    assert aux_stream_pass(draft_config=str(draft)).aux_stream == "attn_res"
+    assert aux_stream_pass("prefix").aux_stream == "prefix"
+    monkeypatch.setenv("KIMI_PASSES_AUX_STREAM", "post_norm")
+    with pytest.raises(ValueError, match="unknown aux stream 'post_norm'"):
+        aux_stream_pass()
+
+
+def test_vllm_config_accepts_the_adapter_and_rejects_the_bare_pass():
+    """What users write: the adapter is kept as is; a bare AuxStreamPass trips vLLM's assert."""
+    from vllm.compilation.backends import VllmBackend
+
+    from kimi_passes import AuxStreamPass
+    from kimi_passes.vllm import KimiVllmPass, compile_config_entries
+
+    config = h.vllm_config(inductor_compile_config=compile_config_entries("prefix"))
+    installed = config.compilation_config.inductor_compile_config["post_grad_custom_post_pass"]
+    assert isinstance(installed, KimiVllmPass) and installed.aux_stream == "prefix"
+    VllmBackend(config).configure_post_pass()  # asserts the pass is vLLM's InductorPass
+    bare = h.vllm_config(inductor_compile_config={
+        "post_grad_custom_post_pass": AuxStreamPass("prefix")})
+    with pytest.raises(AssertionError):
+        VllmBackend(bare).configure_post_pass()
+
+
+def test_named_string_route_keeps_the_adapter():
+    """``inductor_passes`` naming kimi_passes.vllm.<stream>_stream_pass: not re-wrapped."""
+    from kimi_passes.vllm import KimiVllmPass
+
+    uuids = set()
+    for stream in ("attn_res", "prefix"):
+        config = h.vllm_config(inductor_passes={
+            "post_grad_custom_post_pass": f"kimi_passes.vllm.{stream}_stream_pass"})
+        p = config.compilation_config.inductor_compile_config["post_grad_custom_post_pass"]
+        assert isinstance(p, KimiVllmPass) and p.aux_stream == stream
+        uuids.add(p.uuid())
+    assert len(uuids) == 2
+
+
+def test_callable_string_route_is_refused():
+    """A plain kimi pass named in ``inductor_passes`` gets vLLM's class-source cache key:
+    compiling under it is refused, so no graph is ever cached under a key that ignores
+    the stream."""
+    qualname = h.callable_route_module("prefix")
+    config = h.vllm_config(inductor_passes={"post_grad_custom_post_pass": qualname})
+    p = config.compilation_config.inductor_compile_config["post_grad_custom_post_pass"]
+    assert type(p).__name__ == "CallableInductorPass"
+    cfg = MODELS["l3_s1"]
+    torch._dynamo.reset()
+    model = h.compile_k3(cfg, config)
+    with caches_off(), pytest.raises(Exception) as info:
+        h.run(model, config, h.token_ids(cfg, 5))
+    text = str(info.value)
+    assert "AuxStreamPass reached the compiler wrapped in CallableInductorPass" in text
+    assert "kimi_passes.vllm.compile_config_entries" in text
+
+
+def test_import_kimi_passes_does_not_import_vllm_and_adapter_names_the_install():
+    code = ("import sys, kimi_passes; assert 'vllm' not in sys.modules, 'imported vllm'\n"
+            "sys.modules['vllm'] = None\n"
+            "try:\n    import kimi_passes.vllm\nexcept ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120).stdout
+    assert "kimi_passes.vllm needs vLLM: install it" in out
+
+
+def test_three_processes_share_one_vllm_cache_root(tmp_path):
+    """attn_res, prefix, attn_res: each served its own stream; the third from the cache."""
+    env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path / "vllm"),
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
+    env.pop("VLLM_DISABLE_COMPILE_CACHE", None)
+    results = []
+    for i, stream in enumerate(("attn_res", "prefix", "attn_res")):
+        out = tmp_path / f"out{i}.json"
+        proc = subprocess.run([sys.executable, str(HERE / "vllm_harness.py"), stream,
+                               "adapter", str(out)], env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results.append(json.loads(out.read_text()))
+    for r in results:
+        assert "error" not in r, r
+        assert r["taps"] == 4
+        assert max(r[f"err_vs_{r['stream']}"]) <= TOL, r
+        other = "prefix" if r["stream"] == "attn_res" else "attn_res"
+        assert max(r[f"err_vs_{other}"]) > 1.0, r  # the streams really differ
+    first, second, third = results
+    assert first["loaded"] == 0 and first["saved"] == 5 and first["inductor_compiles"] == 5
+    assert second["loaded"] == 0 and second["inductor_compiles"] == 5  # not attn_res's graph
+    assert third["loaded"] == 5 and third["inductor_compiles"] == 0  # the cache hit

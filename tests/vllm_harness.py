@@ -1,0 +1,228 @@
+"""Drive vLLM's real compile path (``VllmBackend``, ``split_graph``, ``PiecewiseBackend``,
+``PostGradPassManager``) on a CPU machine with the reference K3.
+
+Test infrastructure, not library code. What it works around is the CPU platform, never
+vLLM's compile pipeline:
+
+1. schema-only stubs for the ``torch.ops._C`` ops vLLM's ``FixFunctionalizationPass``
+   looks up by name (the CUDA extension that defines them does not load here);
+2. ``pass_config={"fuse_rope_kvcache_cat_mla": False}`` (else a CUDA-only pass is named);
+3. ``compile_sizes=[]``;
+4. ``CpuPlatform`` turns ``VLLM_COMPILE`` into ``DYNAMO_TRACE_ONCE``: the mode is set
+   back after the config is built.
+
+Attention runs behind the custom op ``kimi_vllm_test::attention``, listed in
+``splitting_ops`` the way vLLM lists its attention ops, so the graph really is split.
+Also runnable as a script (one process of the shared-cache test): see ``main``.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+import json  # noqa: E402
+import sys  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from kimi_passes.graphs.k3 import K3Config, K3Model  # noqa: E402
+from torch import nn  # noqa: E402
+
+import kimi_passes  # noqa: E402,F401
+
+ATTENTION_OP = "kimi_vllm_test::attention"
+
+_C_OPS = ("rotary_embedding", "fused_add_rms_norm", "fused_add_rms_norm_static_fp8_quant",
+          "rms_norm_dynamic_per_token_quant", "rms_norm", "rms_norm_static_fp8_quant",
+          "silu_and_mul", "silu_and_mul_quant", "silu_and_mul_nvfp4_quant",
+          "fused_qk_norm_rope")
+_stub_lib = None
+
+
+def _stub_c_ops() -> None:
+    global _stub_lib
+    missing = [n for n in _C_OPS if not hasattr(torch.ops._C, n)]
+    if missing:
+        _stub_lib = torch.library.Library("_C", "FRAGMENT")
+        for name in missing:
+            _stub_lib.define(f"{name}(Tensor x) -> Tensor")
+
+
+@torch.library.custom_op(ATTENTION_OP, mutates_args=())
+def attention(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor,
+              num_heads: int) -> torch.Tensor:
+    """Causal self-attention before ``o_proj`` (the part vLLM hides behind its attention op)."""
+    T, H = x.shape
+    q, k, v = (F.linear(x, w).view(T, num_heads, -1).transpose(0, 1) for w in (wq, wk, wv))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return out.transpose(0, 1).reshape(T, H).contiguous()
+
+
+@attention.register_fake
+def _(x, wq, wk, wv, num_heads):
+    return torch.empty_like(x)
+
+
+def _attention_forward(self, x):
+    return self.o_proj(torch.ops.kimi_vllm_test.attention(
+        x, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, self.num_heads))
+
+
+def build_model(cfg: K3Config, end_layer: int | None = None) -> K3Model:
+    """The reference K3 (layers ``[0, end_layer)``), attention behind ``ATTENTION_OP``."""
+    model = K3Model(cfg, 0, end_layer).requires_grad_(False).eval()
+    for layer in model.layers.values():
+        layer.self_attn.forward = _attention_forward.__get__(layer.self_attn)
+    return model
+
+
+def vllm_config(inductor_compile_config=None, inductor_passes=None, v2=False,
+                splitting_ops=(ATTENTION_OP,), cache_dir=""):
+    """A ``VllmConfig`` compiling with ``VllmBackend`` on CPU (see the module docstring)."""
+    _stub_c_ops()
+    from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode, VllmConfig
+
+    icc = dict(inductor_compile_config or {})
+    if v2:
+        icc["enable_auto_functionalized_v2"] = True
+    cc = CompilationConfig(
+        mode=CompilationMode.VLLM_COMPILE, backend="inductor",
+        cudagraph_mode=CUDAGraphMode.NONE, custom_ops=["none"],
+        splitting_ops=list(splitting_ops), compile_sizes=[],
+        pass_config={"fuse_rope_kvcache_cat_mla": False},
+        inductor_compile_config=icc, inductor_passes=dict(inductor_passes or {}),
+        cache_dir=cache_dir,
+    )
+    config = VllmConfig(compilation_config=cc)
+    config.compilation_config.mode = CompilationMode.VLLM_COMPILE
+    return config
+
+
+class VllmK3(nn.Module):
+    """A K3 stage as vLLM compiles it; ``forward`` returns ``(hidden, *taps)``."""
+
+    def __init__(self, *, vllm_config, prefix: str = "", k3: K3Config,
+                 end_layer: int | None = None):
+        super().__init__()
+        self.k3 = build_model(k3, end_layer)
+
+    def forward(self, input_ids: torch.Tensor):
+        result, taps = self.k3(input_ids)
+        if isinstance(result, tuple):  # a non-final stage: (prefix + pending, bank)
+            return (result[0], *taps)
+        return (result, *taps)
+
+
+def compile_k3(cfg: K3Config, config, end_layer: int | None = None):
+    """``VllmK3`` under ``@support_torch_compile``; call it (under ``run``) to compile."""
+    from vllm.compilation.decorators import support_torch_compile
+    from vllm.config import set_current_vllm_config
+
+    # A fresh decorated class per model: the decorator keeps per-class compile state.
+    cls = support_torch_compile(type("VllmK3Compiled", (VllmK3,), {}),
+                                dynamic_arg_dims={"input_ids": 0})
+    with set_current_vllm_config(config):
+        return cls(vllm_config=config, k3=cfg, end_layer=end_layer)
+
+
+def run(model, config, input_ids):
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(config), torch.no_grad():
+        out = model(input_ids)
+    return out[0], list(out[1:])
+
+
+def ground_truth(model, input_ids):
+    with torch.no_grad():
+        return model.k3.ground_truth(input_ids)[1]
+
+
+def token_ids(cfg: K3Config, T: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(seed))
+
+
+def counter():
+    from vllm.compilation.counter import compilation_counter
+
+    return compilation_counter
+
+
+def callable_route_module(stream: str, unguarded: bool = False) -> str:
+    """A top-level module holding a plain ``AuxStreamPass``, for the string route.
+
+    One name, ``aux_pass``, whose stream comes from ``$KIMI_PASSES_AUX_STREAM`` (set to
+    ``stream`` here): the way a deployment A/Bs streams without touching its config.
+    vLLM wraps it in ``CallableInductorPass``. ``unguarded`` switches kimi_passes'
+    refusal of that wrapper off in this process, to measure what the refusal prevents.
+    """
+    import types
+
+    from kimi_passes import AuxStreamPass
+    from kimi_passes.stream import ENV_VAR, resolve_aux_stream
+
+    os.environ[ENV_VAR] = stream
+    name = "kimi_vllm_callable_route"
+    module = types.ModuleType(name)
+    module.aux_pass = AuxStreamPass(resolve_aux_stream())
+    sys.modules[name] = module
+    if unguarded:
+        import kimi_passes.aux_stream
+        kimi_passes.aux_stream.check_host_key = lambda pass_: None
+    return f"{name}.aux_pass"
+
+
+def main(argv=None) -> int:
+    """One serving process: ``python tests/vllm_harness.py STREAM ROUTE OUT.json``.
+
+    ``ROUTE``: ``adapter`` (``kimi_passes.vllm.compile_config_entries``), ``named``
+    (``inductor_passes`` naming ``kimi_passes.vllm.<stream>_stream_pass``), ``callable``
+    (``inductor_passes`` naming a plain ``AuxStreamPass``, which vLLM wraps in
+    ``CallableInductorPass``) or ``callable_unguarded`` (the same with kimi_passes'
+    refusal of that wrapper switched off: what the refusal prevents). vLLM's compile
+    cache is on, rooted at ``$VLLM_CACHE_ROOT``. Writes the taps' errors, any error and
+    the cache counters to ``OUT.json``.
+    """
+    stream, route, out = (argv or sys.argv[1:])[:3]
+    cfg = K3Config.tiny()
+    if route == "adapter":
+        from kimi_passes.vllm import compile_config_entries
+        config = vllm_config(inductor_compile_config=compile_config_entries(stream))
+    elif route == "named":
+        import kimi_passes.vllm  # noqa: F401
+        config = vllm_config(inductor_passes={
+            "post_grad_custom_post_pass": f"kimi_passes.vllm.{stream}_stream_pass"})
+    elif route in ("callable", "callable_unguarded"):
+        qualname = callable_route_module(stream, unguarded=route == "callable_unguarded")
+        config = vllm_config(inductor_passes={"post_grad_custom_post_pass": qualname})
+    else:
+        raise SystemExit(f"unknown route {route!r}")
+    model = compile_k3(cfg, config)
+    c = counter()
+    before = c.clone()
+    ids = token_ids(cfg, 9)
+    result = {"stream": stream, "route": route}
+    try:
+        _, taps = run(model, config, ids)
+    except Exception as e:  # reported to the parent test, which decides
+        result["error"] = f"{type(e).__name__}: {e}"
+        taps = None
+    result["loaded"] = c.num_compiled_artifacts_loaded - before.num_compiled_artifacts_loaded
+    result["saved"] = c.num_compiled_artifacts_saved - before.num_compiled_artifacts_saved
+    result["inductor_compiles"] = c.num_inductor_compiles - before.num_inductor_compiles
+    with torch.no_grad():
+        want = {"attn_res": ground_truth(model, ids), "prefix": list(model.k3(ids)[1])}
+    if taps is not None:
+        result["taps"] = len(taps)
+        for name, ref in want.items():
+            result[f"err_vs_{name}"] = [float((a - b).abs().max())
+                                        for a, b in zip(taps, ref, strict=True)]
+    with open(out, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
