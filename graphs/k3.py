@@ -44,11 +44,8 @@ from kimi_passes.ops.differentiable import attn_res_differentiable
 from torch import nn
 
 from kimi_passes.errors import AuxCaptureError
+from kimi_passes.ops.conventions import cdiv
 from kimi_passes.tap import aux_tap
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(frozen=True)

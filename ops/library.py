@@ -6,7 +6,7 @@ CPU kernel is the eager path in ``cpu.py``; CUDA dispatches to the Triton
 kernel. Fake kernels run the same validation, so a bad model fails at compile
 time.
 
-- ``attn_res``: DESIGN section 3; mutates ``prefix`` (delta) and ``blocks`` (write).
+- ``attn_res``: docs/design.md section 3; mutates ``prefix`` (delta) and ``blocks`` (write).
 - ``attn_res_capture``: the same, also returning the pre-norm mixture. The
   aux-stream pass swaps a tap's consumer to it, so a tap costs one ``[T,H]`` write.
 - ``attn_res_mix``: the pure pre-norm mixture, no mutation.
@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import torch
 
+from .conventions import MUTATED_ARGS
 from .cpu import attn_res_cpu, mix_cpu
 from .validate import validate_mix, validate_sources, validate_tap
 
-_MUTATED = ("prefix", "blocks")
 
-
-@torch.library.custom_op("kimi::attn_res", mutates_args=_MUTATED, device_types="cpu")
+@torch.library.custom_op("kimi::attn_res", mutates_args=MUTATED_ARGS, device_types="cpu")
 def attn_res(
     prefix: torch.Tensor,
     delta: torch.Tensor | None,
@@ -42,7 +41,7 @@ def attn_res(
     return attn_res_cpu(*args, capture=False)[0]
 
 
-@torch.library.custom_op("kimi::attn_res_capture", mutates_args=_MUTATED, device_types="cpu")
+@torch.library.custom_op("kimi::attn_res_capture", mutates_args=MUTATED_ARGS, device_types="cpu")
 def attn_res_capture(
     prefix: torch.Tensor,
     delta: torch.Tensor | None,
