@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-from kimi_passes.graphs.k3 import K3Config, K3Model
 
 import kimi_passes
+from kimi_passes.graphs.k3 import K3Config, K3Model
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 

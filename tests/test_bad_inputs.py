@@ -25,13 +25,13 @@ from typing import Any
 
 import pytest
 import torch
-from kimi_passes.graphs.k3 import K3Config, K3Model
-from kimi_passes.ops import AttnResArgumentError
 from torch import nn
 from torch._dynamo.exc import BackendCompilerFailed, TorchRuntimeError
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from kimi_passes import AuxCaptureError, AuxStreamPass, aux_tap, make_kimi_backend
+from kimi_passes.graphs.k3 import K3Config, K3Model
+from kimi_passes.ops import AttnResArgumentError
 
 OPS = torch.ops.kimi
 T, H, NB = 3, 8, 2

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+import kimi_passes
 from kimi_passes.ops import (
     attn_res_capture_triton,
     attn_res_mix_reference,
@@ -16,8 +18,6 @@ from kimi_passes.ops import (
     attn_res_reference,
     attn_res_triton,
 )
-
-import kimi_passes
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import depyf
 import pytest
 import torch
-from kimi_passes.graphs import K3Config, K3Model
 from torch._inductor.codecache import PyCodeCache
 
 from kimi_passes import make_kimi_backend
 from kimi_passes.debug import compat_load_by_key_path, dump, pass_dumps
+from kimi_passes.graphs import K3Config, K3Model
 
 
 def test_plain_depyf_hook_lacks_set_sys_modules(tmp_path):

@@ -25,10 +25,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from kimi_passes.graphs.k3 import K3Config, K3Model
 
 import kimi_passes
 from kimi_passes import AuxCaptureError
+from kimi_passes.graphs.k3 import K3Config, K3Model
 
 T = 6
 JOIN_TIMEOUT_S = 420  # the whole group, compiles included, on a busy 2-core machine

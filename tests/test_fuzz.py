@@ -58,11 +58,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, example, given, seed, settings
 from hypothesis import strategies as st
-from kimi_passes.graphs.k3 import K3Config, K3Model
-from kimi_passes.ops import attn_res_mix_reference, attn_res_reference
 
 import kimi_passes
 from kimi_passes import AuxCaptureError
+from kimi_passes.graphs.k3 import K3Config, K3Model
+from kimi_passes.ops import attn_res_mix_reference, attn_res_reference
 
 # --------------------------------------------------------------------------- profiles
 

@@ -7,13 +7,13 @@ from itertools import pairwise
 
 import pytest
 import torch
-from kimi_passes.graphs import K3Config, K3Model
-from kimi_passes.graphs.k3 import cdiv
-from kimi_passes.ops import attn_res_mix_reference
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kimi_passes import AuxCaptureError
+from kimi_passes.graphs import K3Config, K3Model
+from kimi_passes.graphs.k3 import cdiv
+from kimi_passes.ops import attn_res_mix_reference
 
 TINY = K3Config.tiny()
 # Blocks of 3 over 7 layers: a partial last block and write layers at 0, 3, 6.

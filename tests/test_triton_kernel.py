@@ -13,6 +13,7 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
+
 from kimi_passes.ops import (
     AttnResArgumentError,
     attn_res_mix_reference,

@@ -27,10 +27,10 @@ import logging
 
 import torch
 import torch.utils.benchmark as benchmark
-from kimi_passes.graphs.k3 import K3Config, K3Model, attn_res_torch
 
 from kimi_passes import make_kimi_backend
 from kimi_passes.fusion import AttnResFusionPass
+from kimi_passes.graphs.k3 import K3Config, K3Model, attn_res_torch
 
 
 def attn_res_model(args):
