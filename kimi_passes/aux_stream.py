@@ -49,16 +49,14 @@ from kimi_passes.consumer import (
     mix_nodes,
 )
 from kimi_passes.errors import AuxCaptureError
+from kimi_passes.fx_toolkit import call_function, calls_to
 from kimi_passes.host_key import check_host_key
-from kimi_passes.inductor_pass import KimiGraphPass, logger
+from kimi_passes.inductor_pass import KimiGraphPass
+from kimi_passes.ops.conventions import cdiv
 
 STREAMS = ("attn_res", "prefix")
 
 kimi = torch.ops.kimi
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass
@@ -81,8 +79,6 @@ class TapRewrite:
 class AuxStreamPass(KimiGraphPass):
     """Rewrite ``kimi.aux_tap`` markers to the stream a drafter was trained on."""
 
-    index = 1
-
     def __init__(self, stream: str = "attn_res", fuse: bool = True):
         if stream not in STREAMS:
             raise ValueError(
@@ -100,34 +96,22 @@ class AuxStreamPass(KimiGraphPass):
     def options(self) -> dict:
         return {"stream": self.stream, "fuse": self.fuse}
 
-    def __call__(self, graph: torch.fx.Graph) -> None:
+    def run(self, graph: torch.fx.Graph) -> list[str]:
         check_host_key(self)
-        taps = [n for n in graph.nodes if n.op == "call_function" and n.target is AUX_TAP]
+        taps = calls_to(graph, AUX_TAP)
         self.last_rewrites = []
         if not taps:
-            return
-        self.dump(graph, "before")
+            return []
         geometry = _Geometry.of(graph)
         _check_unique_ids(taps, geometry)
         rewrites = [self._rewrite(graph, tap, geometry) for tap in taps]
         graph.eliminate_dead_code()
         self.last_rewrites = rewrites
-        self.dump(graph, "after")
-        logger.info(
-            "AuxStreamPass(stream=%s): rewrote %d tap(s): %s",
-            self.stream,
-            len(rewrites),
-            "; ".join(
-                f"id {r.capture_id} <- {r.consumer} ({r.how()})"
-                for r in rewrites
-            ),
-        )
-        for r in rewrites:
-            if r.fused is False:
-                logger.info(
-                    "AuxStreamPass: capture id %d is a separate attn_res_mix read of the "
-                    "bank (nothing to fuse it into)", r.capture_id
-                )
+        summary = f"AuxStreamPass(stream={self.stream}): rewrote {len(rewrites)} tap(s): " + (
+            "; ".join(f"id {r.capture_id} <- {r.consumer} ({r.how()})" for r in rewrites))
+        return [summary] + [
+            f"AuxStreamPass: capture id {r.capture_id} is a separate attn_res_mix read of the "
+            "bank (nothing to fuse it into)" for r in rewrites if r.fused is False]
 
     def _rewrite(self, graph: torch.fx.Graph, tap: Node, geometry: _Geometry) -> TapRewrite:
         value, capture_id = tap.args
@@ -159,19 +143,13 @@ class AuxStreamPass(KimiGraphPass):
             return _to_capture(graph, call).getitem(1), True
         prefix = call.getitem(call.output_index("prefix"))
         blocks = call.getitem(call.output_index("blocks"))
-        with graph.inserting_after(max(prefix, blocks, key=_position)):
-            mix = graph.call_function(
-                kimi.attn_res_mix.default,
-                (prefix, blocks, call.arg("norm_weight"), call.arg("qk_weight"),
-                 call.arg("num_blocks"), call.arg("eps")),
-            )
-        mix.meta["val"] = torch.empty_like(prefix.meta["val"])
-        mix.meta.update({k: v for k, v in call.node.meta.items() if k == "nn_module_stack"})
+        mix = call_function(
+            graph, kimi.attn_res_mix.default,
+            (prefix, blocks, call.arg("norm_weight"), call.arg("qk_weight"),
+             call.arg("num_blocks"), call.arg("eps")),
+            after=max(prefix, blocks), stands_for=call.node,  # the later (graph order)
+        )
         return mix, False
-
-
-def _position(node: Node) -> int:
-    return list(node.graph.nodes).index(node)
 
 
 def _to_capture(graph: torch.fx.Graph, call: AttnResCall) -> AttnResCall:
@@ -180,13 +158,8 @@ def _to_capture(graph: torch.fx.Graph, call: AttnResCall) -> AttnResCall:
     # v1 and v2 both return (op outputs..., new values of the mutated bases): the op's
     # kwargs carry over as they are (attn_res_capture takes attn_res's arguments) and
     # every output after the first moves one place for the extra mixture output.
-    with graph.inserting_before(old):
-        new = graph.call_function(
-            old.target, (kimi.attn_res_capture.default,), dict(old.kwargs)
-        )
-    new.meta.update(old.meta)
-    out_val, *bases = old.meta["val"]
-    new.meta["val"] = (out_val, torch.empty_like(out_val), *bases)
+    new = call_function(graph, old.target, (kimi.attn_res_capture.default,), old.kwargs,
+                        before=old, stands_for=old)
     for user in list(old.users):
         index = user.args[1]
         user.args = (new, index if index == 0 else index + 1)

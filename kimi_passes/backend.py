@@ -23,19 +23,51 @@ from kimi_passes.stream import resolve_aux_stream
 BACKEND_NAME = "kimi"
 
 
+class PassObserver:
+    """Watches a ``KimiPassManager`` run (recording goldens, timing benchmarks).
+
+    Hand one to ``KimiPassManager(passes, observers=[...])`` or ``manager.observe(o)``.
+    Every hook is optional; none may change the graph (they are not part of ``uuid()``).
+    """
+
+    def before_passes(self, graph: torch.fx.Graph) -> None:
+        """The post-grad graph, before the first pass."""
+
+    def after_pass(self, graph_pass, graph: torch.fx.Graph) -> None:
+        """``graph_pass`` has run (its ``last_time_s`` and ``last_*`` results are set)."""
+
+    def after_passes(self, graph: torch.fx.Graph, seconds: float) -> None:
+        """Every pass has run; ``seconds``: the passes' own time, observers excluded."""
+
+
 class KimiPassManager(CustomGraphPass):
     """Runs the kimi passes in order as one ``post_grad_custom_post_pass``.
 
     One object rather than a list: torch releases before 2.13 accept a single pass.
+    Each pass dumps its graphs under its position here (``post_grad.<i>.<Pass>``).
     """
 
-    def __init__(self, passes):
+    def __init__(self, passes, observers=()):
         self.passes = list(passes)
+        self.observers: list[PassObserver] = list(observers)
+
+    def observe(self, observer: PassObserver) -> PassObserver:
+        """Add ``observer``; returns it."""
+        self.observers.append(observer)
+        return observer
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         check_host_key(self)
-        for p in self.passes:
-            p(graph)
+        for o in self.observers:
+            o.before_passes(graph)
+        seconds = 0.0
+        for i, p in enumerate(self.passes):
+            p(graph, index=i)
+            seconds += p.last_time_s
+            for o in self.observers:
+                o.after_pass(p, graph)
+        for o in self.observers:
+            o.after_passes(graph, seconds)
 
     def uuid(self) -> str:
         return ":".join(p.uuid() for p in self.passes)
@@ -44,10 +76,11 @@ class KimiPassManager(CustomGraphPass):
         return next(p for p in self.passes if isinstance(p, cls))
 
 
-def build_passes(aux_stream: str, fuse_capture: bool = True, fuse_torch_mixing: bool = True):
+def build_passes(aux_stream: str, fuse_capture: bool = True, fuse_torch_mixing: bool = True,
+                 observers=()) -> KimiPassManager:
     """The pass list: AttnRes mixing fusion (``fuse_torch_mixing``), then the aux stream."""
     passes = [AttnResFusionPass()] if fuse_torch_mixing else []
-    return KimiPassManager([*passes, AuxStreamPass(aux_stream, fuse=fuse_capture)])
+    return KimiPassManager([*passes, AuxStreamPass(aux_stream, fuse=fuse_capture)], observers)
 
 
 class KimiBackend:

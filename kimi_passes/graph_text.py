@@ -1,4 +1,4 @@
-"""Normalised text of FX graphs for golden files, and a backend that records graphs.
+"""Normalised text of FX graphs for golden files (and Graphviz DOT of the same views).
 
 ``graph_text(graph)`` prints a post-grad graph in a form meant to survive torch
 upgrades: no ``# File:`` comments, no ``<lambda>``, no stack traces; inputs named
@@ -22,30 +22,27 @@ the getitems that read them), the nodes that feed them or the output, and folds
 every other run of nodes into one ``... N ops`` line; arguments that point into
 a folded run print as ``_``.
 
-``GraphRecorder`` is a ``torch.compile`` backend wrapping a ``KimiBackend``: per
-compiled graph it records the input names Dynamo gave the graph and copies of the
-post-grad graph before and after the kimi passes.
+``graph_dot`` draws the same views as Graphviz DOT. Recording graphs around the passes
+is ``kimi_passes.recording``'s job; this module only reads graphs.
 """
 
 from __future__ import annotations
 
 import operator
-import re
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch._higher_order_ops.auto_functionalize import (
-    auto_functionalized,
-    auto_functionalized_v2,
-)
+from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
 from torch.fx import Graph, GraphModule, Node
 
-from kimi_passes.backend import KimiBackend, KimiPassManager, make_kimi_backend
+from kimi_passes.fx_toolkit import AUTO_FUNCTIONALIZED, kimi_op
+from kimi_passes.graph_names import Symbols, op_name, source_name
 
 VIEWS = ("full", "skeleton")
-KIMI_OPS = ("attn_res", "attn_res_capture", "attn_res_mix", "aux_tap")
-_AUTO_FUNCTIONALIZED = (auto_functionalized, auto_functionalized_v2)
+#: Every kimi op, as ``kimi_op_counts`` counts them.
+KIMI_OPS = ("attn_res", "attn_res_capture", "attn_res_mix", "attn_res_mix_list", "aux_tap")
+#: The ops a DOT drawing fills orange: those that produce or mark a mixture for a tap.
+MIXTURE_OPS = ("attn_res_capture", "attn_res_mix", "attn_res_mix_list", "aux_tap")
 
 _DTYPES = {
     torch.float64: "f64", torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
@@ -74,7 +71,7 @@ def graph_text(gm_or_graph: GraphModule | Graph, view: str = "full", names=None)
 
 def is_kimi(node: Node) -> bool:
     """A kimi op call, or an auto_functionalized node wrapping one."""
-    return _kimi_op(node) is not None
+    return kimi_op(node) is not None
 
 
 def kimi_op_counts(gm_or_graph: GraphModule | Graph) -> dict[str, int]:
@@ -82,26 +79,10 @@ def kimi_op_counts(gm_or_graph: GraphModule | Graph) -> dict[str, int]:
     graph = gm_or_graph.graph if isinstance(gm_or_graph, GraphModule) else gm_or_graph
     counts = dict.fromkeys(KIMI_OPS, 0)
     for node in graph.nodes:
-        op = _kimi_op(node)
+        op = kimi_op(node)
         if op is not None:
             counts[op._opname] = counts.get(op._opname, 0) + 1
     return counts
-
-
-def input_names(gm: GraphModule) -> dict[int, str]:
-    """Names for a Dynamo graph's inputs, by position: parameter names, ``x``, symbols.
-
-    ``L['self']._modules['layers']._modules['0']._parameters['weight']`` becomes
-    ``layers.0.weight``; ``L['x']`` becomes ``x``. Inputs with no Dynamo source
-    are left out (``graph_text`` then names them ``in<i>``).
-    """
-    names = {}
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for i, node in enumerate(placeholders):
-        name = _source_name(node)
-        if name is not None:
-            names[i] = name
-    return names
 
 
 def _as_mapping(names) -> dict[int, str]:
@@ -112,95 +93,20 @@ def _as_mapping(names) -> dict[int, str]:
     return {i: str(v) for i, v in enumerate(names)}
 
 
-def _source_name(node: Node) -> str | None:
-    arg = node.meta.get("grapharg")
-    source = getattr(arg, "source", None)
-    if source is None:
-        return None
-    text = source.name() if callable(source.name) else source.name
-    return _name_from_source(str(text))
-
-
-def _name_from_source(text: str) -> str | None:
-    m = re.match(r"^[LG]\[['\"]([^'\"]+)['\"]\](.*)$", text)
-    if m is None:
-        return None
-    head, rest = m.groups()
-    if "(" in rest:  # e.g. L['x'].size()[0]: a symbol, named by the printer
-        return None
-    parts = re.findall(r"\[['\"]?([^'\"\]]+)['\"]?\]", rest)
-    if head == "self" and parts:
-        return ".".join(parts)
-    return ".".join([head, *parts])
-
-
-def _kimi_op(node: Node):
-    if node.op != "call_function":
-        return None
-    target = node.target
-    if target in _AUTO_FUNCTIONALIZED and node.args:
-        target = node.args[0]
-    if isinstance(target, torch._ops.OpOverload) and target.namespace == "kimi":
-        return target
-    return None
-
-
-def _op_name(target) -> str:
-    if isinstance(target, torch._ops.OpOverload):
-        name = f"{target.namespace}.{target._opname}"
-        return name if target._overloadname == "default" else f"{name}.{target._overloadname}"
-    if isinstance(target, torch._ops.HigherOrderOperator):
-        return f"higher_order.{target.name()}"
-    if isinstance(target, str):
-        return target
-    module = getattr(target, "__module__", None) or ""
-    module = {"_operator": "operator", "builtins": ""}.get(module, module)
-    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", repr(target))
-    return f"{module}.{name}" if module else name
-
-
-def _first_use(text: str, name: str) -> int:
-    m = re.search(rf"\b{re.escape(name)}\b", text)
-    return m.start() if m else len(text)
-
-
-class _Symbols:
-    """Renames sympy symbols in order of first use: s0, s1, ... (u0, ... for unbacked)."""
-
-    def __init__(self):
-        self.names: dict[str, str] = {}
-        self.counts: dict[str, int] = {}
-
-    def expr(self, e) -> str:
-        import sympy
-
-        e = getattr(getattr(e, "node", None), "expr", e)  # SymInt -> sympy expression
-        if not isinstance(e, sympy.Basic):
-            return str(e)
-        text = str(e)
-        syms = sorted(e.free_symbols, key=lambda s: (_first_use(text, str(s)), str(s)))
-        mapping = {s: sympy.Symbol(self._name(str(s)), **s.assumptions0) for s in syms}
-        return str(e.xreplace(mapping))
-
-    def _name(self, old: str) -> str:
-        if old not in self.names:
-            prefix = old[0] if old[:1].isalpha() else "s"
-            i = self.counts.get(prefix, 0)
-            self.counts[prefix] = i + 1
-            self.names[old] = f"{prefix}{i}"
-        return self.names[old]
-
-
 class _Printer:
     def __init__(self, graph: Graph, view: str, names: dict[int, str]):
         self.graph, self.view, self.given = graph, view, names
-        self.symbols = _Symbols()
+        self.symbols = Symbols()
         self.names: dict[Node, str] = {}
         nodes = list(graph.nodes)
         self.placeholders = [n for n in nodes if n.op == "placeholder"]
         self.body = [n for n in nodes if n.op not in ("placeholder", "output")]
         self.outputs = [n for n in nodes if n.op == "output"]
         self.shown = set(self.body) if view == "full" else self._skeleton()
+        self.used_inputs = self._used_inputs()
+        # Names are fixed here, once: text() and graph_dot only read them.
+        self._name_inputs()
+        self._name_body()
 
     # -- which nodes a skeleton shows ------------------------------------------------------
     def _skeleton(self) -> set[Node]:
@@ -216,6 +122,12 @@ class _Printer:
                     shown.add(a)
         return shown
 
+    def _used_inputs(self) -> set[Node]:
+        if self.view == "full":
+            return set(self.placeholders)
+        return {a for n in [*self.shown, *self.outputs] for a in n.all_input_nodes
+                if a.op == "placeholder"}
+
     # -- naming ------------------------------------------------------------------------------
     def _input_name(self, i: int, node: Node) -> str:
         val = node.meta.get("val")
@@ -230,7 +142,7 @@ class _Printer:
         target = getattr(desc, "target", None)
         if isinstance(target, str):
             return target
-        return _source_name(node) or f"in{i}"
+        return source_name(node) or f"in{i}"
 
     def _name_inputs(self) -> None:
         used: set[str] = set()
@@ -264,13 +176,13 @@ class _Printer:
         if isinstance(a, (torch.memory_format, torch.layout)):
             return str(a)
         if isinstance(a, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
-            return _op_name(a)
+            return op_name(a)
         if isinstance(a, float):
             return repr(a)
         if isinstance(a, slice):
             return f"slice({self.fmt(a.start)}, {self.fmt(a.stop)}, {self.fmt(a.step)})"
         if callable(a) and not isinstance(a, torch.Tensor):
-            return _op_name(a)
+            return op_name(a)
         return repr(a)
 
     def type_of(self, node: Node) -> str | None:
@@ -291,14 +203,14 @@ class _Printer:
             return f"{self.fmt(obj)}.{target}({self._args(rest, node.kwargs)})"
         if node.op == "call_module":
             return f"{target}({self._args(node.args, node.kwargs)})"
-        if target in _AUTO_FUNCTIONALIZED:
+        if target in AUTO_FUNCTIONALIZED:
             return self._functional(node)
         if target is operator.getitem and isinstance(node.args[0], Node):
             base, index = node.args
-            if base.op == "call_function" and base.target in _AUTO_FUNCTIONALIZED:
+            if base.op == "call_function" and base.target in AUTO_FUNCTIONALIZED:
                 return f"{self.ref(base)}.{_functional_output(base, index)}"
             return f"{self.ref(base)}[{self.fmt(index)}]"
-        return f"{_op_name(target)}({self._args(node.args, node.kwargs)})"
+        return f"{op_name(target)}({self._args(node.args, node.kwargs)})"
 
     def _args(self, args, kwargs) -> str:
         parts = [self.fmt(a) for a in args]
@@ -323,7 +235,7 @@ class _Printer:
             elif name in kwargs:
                 parts.append(f"{name}={self.fmt(kwargs[name])}")
         how = f"functional, mutates {', '.join(mutated)}" if mutated else "functional"
-        return f"{_op_name(op)}({', '.join(parts)}) [{how}]"
+        return f"{op_name(op)}({', '.join(parts)}) [{how}]"
 
     def line(self, node: Node) -> str:
         t = self.type_of(node)
@@ -346,14 +258,15 @@ class _Printer:
         self.names[node] = f"v{i}"
         return i + 1
 
+    def _name_body(self) -> None:
+        i = 0
+        for node in self.body:
+            if node in self.shown:
+                i = self._name_body_node(node, i)
+
     def text(self) -> str:
-        self._name_inputs()
         lines = []
-        used = set(self.placeholders)
-        if self.view == "skeleton":
-            used = {a for n in [*self.shown, *self.outputs] for a in n.all_input_nodes
-                    if a.op == "placeholder"}
-        self.used_inputs = used
+        used = self.used_inputs
         for node in self.placeholders:
             if node in used:
                 t = self.type_of(node)
@@ -361,7 +274,7 @@ class _Printer:
         hidden_inputs = len(self.placeholders) - len(used)
         if hidden_inputs:
             lines.append(f"... {hidden_inputs} more inputs")
-        i, folded = 0, 0
+        folded = 0
         for node in self.body:
             if node not in self.shown:
                 folded += 1
@@ -369,7 +282,6 @@ class _Printer:
             if folded:
                 lines.append(f"... {folded} ops")
                 folded = 0
-            i = self._name_body_node(node, i)
             lines.append(self.line(node))
         if folded:
             lines.append(f"... {folded} ops")
@@ -392,7 +304,6 @@ def graph_dot(graphs: dict[str, tuple[Graph, Any]], view: str = "skeleton") -> s
              '  node [shape=box, fontname="monospace", fontsize=9];']
     for c, (label, (graph, names)) in enumerate(graphs.items()):
         p = _Printer(graph, view, _as_mapping(names))
-        p.text()
         lines.append(f"  subgraph cluster_{c} {{")
         lines.append(f"    label={quote(label)};")
         drawn: dict[Node, str] = {}
@@ -404,9 +315,9 @@ def graph_dot(graphs: dict[str, tuple[Graph, Any]], view: str = "skeleton") -> s
             key = f"c{c}_{len(drawn)}"
             drawn[node] = key
             attrs = [f"label={quote(_dot_label(p, node))}"]
-            op = _kimi_op(node)
+            op = kimi_op(node)
             if op is not None:
-                orange = op._opname in ("attn_res_capture", "attn_res_mix", "aux_tap")
+                orange = op._opname in MIXTURE_OPS
                 attrs += ["style=filled", f"fillcolor={'orange' if orange else 'lightblue'}"]
             elif node.op == "placeholder":
                 attrs.append("shape=ellipse")
@@ -424,16 +335,16 @@ def _dot_label(p: _Printer, node: Node) -> str:
         return p.names[node]
     if node.op == "output":
         return "return"
-    op = _kimi_op(node)
-    if op is not None and node.target in _AUTO_FUNCTIONALIZED:
+    op = kimi_op(node)
+    if op is not None and node.target in AUTO_FUNCTIONALIZED:
         kw = node.kwargs
-        return (f"{p.names[node]} = {_op_name(op)}\nnum_blocks={kw.get('num_blocks')} "
+        return (f"{p.names[node]} = {op_name(op)}\nnum_blocks={kw.get('num_blocks')} "
                 f"block_write_idx={kw.get('block_write_idx')}")
     if node.target is operator.getitem:
         return p.names[node]
     if op is not None:
-        return f"{p.names[node]} = {_op_name(op)}"
-    return f"{p.names[node]} = {_op_name(node.target)}"
+        return f"{p.names[node]} = {op_name(op)}"
+    return f"{p.names[node]} = {op_name(node.target)}"
 
 
 def _mutated_args(op) -> list[str]:
@@ -454,90 +365,3 @@ def _functional_output(node: Node, index: int) -> str:
     else:
         name = mutated[index - n_ret] if index - n_ret < len(mutated) else None
     return f"updated.{name}" if name is not None else f"out[{index}]"
-
-
-def copy_graph(graph: Graph) -> Graph:
-    """A structural copy of ``graph`` (node metadata shared), safe from later mutation."""
-    new = Graph()
-    out, out_node = new.graph_copy(graph, {}, return_output_node=True)
-    result = new.output(out)
-    result.meta.update(out_node.meta)
-    return new
-
-
-# -- recording ---------------------------------------------------------------------------------
-
-
-@dataclass
-class RecordedGraph:
-    """One compiled graph: its input names and the post-grad graph around the kimi passes."""
-
-    names: dict[int, str] = field(default_factory=dict)
-    before: Graph | None = None
-    after: Graph | None = None
-    rewrites: list = field(default_factory=list)
-
-    def text(self, view: str = "full", stage: str = "after") -> str:
-        graph = self.before if stage == "before" else self.after
-        if graph is None:
-            raise ValueError(f"RecordedGraph: no {stage!r} graph was recorded")
-        return graph_text(graph, view, names=self.names)
-
-    def counts(self, stage: str = "after") -> dict[str, int]:
-        return kimi_op_counts(self.before if stage == "before" else self.after)
-
-
-class _RecordingPassManager(KimiPassManager):
-    def __init__(self, passes, recorder: GraphRecorder):
-        super().__init__(passes)
-        self.recorder = recorder
-
-    def __call__(self, graph: Graph) -> None:
-        record = self.recorder._current()
-        record.before = copy_graph(graph)
-        super().__call__(graph)
-        record.after = copy_graph(graph)
-        record.rewrites = [
-            r for p in self.passes for r in getattr(p, "last_rewrites", [])
-        ]
-
-
-class GraphRecorder:
-    """A ``torch.compile`` backend: ``KimiBackend`` that records each graph around its passes.
-
-        rec = GraphRecorder(make_kimi_backend(aux_stream="attn_res"))
-        torch.compile(model, backend=rec)(ids)
-        print(rec.last.text("skeleton"))
-
-    The FX graph cache must be off (``force_disable_caches``) for the passes to run.
-    """
-
-    def __init__(self, backend: KimiBackend | None = None, **backend_options):
-        self.backend = backend if backend is not None else make_kimi_backend(**backend_options)
-        self.backend.passes = _RecordingPassManager(self.backend.passes.passes, self)
-        self.graphs: list[RecordedGraph] = []
-        self._pending = False
-
-    def __call__(self, gm: GraphModule, example_inputs):
-        self.graphs.append(RecordedGraph(names=input_names(gm)))
-        self._pending = True
-        try:
-            return self.backend(gm, example_inputs)
-        finally:
-            self._pending = False
-
-    def _current(self) -> RecordedGraph:
-        if not self._pending or not self.graphs:  # installed without going through __call__
-            self.graphs.append(RecordedGraph())
-            self._pending = True
-        return self.graphs[-1]
-
-    @property
-    def aux_pass(self):
-        return self.backend.aux_pass
-
-    @property
-    def last(self) -> RecordedGraph:
-        if not self.graphs:
-            raise ValueError("GraphRecorder: nothing was compiled through this backend yet")
-        return self.graphs[-1]

@@ -1,43 +1,73 @@
-"""Base class for kimi_passes' Inductor passes: cache key and graph dumps.
+"""Base class for kimi_passes' Inductor passes: one ``__call__``, a cache-safe ``uuid()``.
 
-A pass's ``uuid()`` hashes its own source file, this file and every option, so
-Inductor's FX graph cache stays on and a cached graph compiled under other
-options is never served.
+A pass implements ``run(graph)``. ``__call__`` around it hands the graph to depyf /
+TORCH_LOGS before and after (``post_grad.<index>.<Pass>.<before|after>``), times it
+(``last_time_s``) and logs what ``run`` reports at INFO on logger ``kimi_passes``.
+
+``uuid()`` hashes the source of the pass's module and of every kimi_passes module it
+imports, directly or not (``cache_key.dependencies``), with the pass name and every
+option, so Inductor's FX graph cache stays on and never serves a graph compiled by other
+code or under other options.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
+import time
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from kimi_passes.cache_key import dependencies, source_hash
 
 logger = logging.getLogger("kimi_passes")
 
 
 class KimiGraphPass(CustomGraphPass):
-    """A post-grad pass over ``torch.fx.Graph`` with a cache-safe ``uuid()``."""
+    """A post-grad pass over ``torch.fx.Graph`` that dumps, times and logs itself."""
 
-    #: Position in the pass manager, used in dump names ``post_grad.<i>.<Pass>.<stage>``.
+    #: Dump position when the pass runs alone; a ``KimiPassManager`` passes its own.
     index: int = 0
+    #: Seconds the last call took (dumps included).
+    last_time_s: float = 0.0
+
+    def run(self, graph: torch.fx.Graph) -> list[str]:
+        """Rewrite ``graph`` in place; return the lines to log (first: the summary)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement run(graph)")
 
     def options(self) -> dict:
         """Every option that changes what the pass does; part of ``uuid()``."""
         return {}
 
-    def uuid(self) -> str:
-        files = (inspect.getfile(type(self)), __file__)
-        extra = json.dumps({"pass": type(self).__qualname__, **self.options()}, sort_keys=True)
-        return get_hash_for_files(files, extra).hex()
+    def __call__(self, graph: torch.fx.Graph, index: int | None = None) -> None:
+        """Run the pass; ``index`` names the dumps (default: ``self.index``)."""
+        index = self.index if index is None else index
+        t0 = time.perf_counter()
+        self.dump(graph, "before", index)
+        lines = self.run(graph)
+        self.dump(graph, "after", index)
+        self.last_time_s = time.perf_counter() - t0
+        if lines:
+            logger.info("%s (%.2f ms)", lines[0], self.last_time_s * 1e3)
+            for line in lines[1:]:
+                logger.info("%s", line)
 
-    def dump(self, graph: torch.fx.Graph, stage: str) -> None:
-        """Hand the graph to depyf / TORCH_LOGS as ``post_grad.<i>.<Pass>.<stage>``."""
+    def source_modules(self) -> list[str]:
+        """The modules whose source is part of ``uuid()``."""
+        return dependencies(type(self).__module__)
+
+    def uuid(self) -> str:
+        extra = json.dumps({"pass": type(self).__qualname__, **self.options()}, sort_keys=True)
+        return source_hash(self.source_modules(), extra)
+
+    def dump(self, graph: torch.fx.Graph, stage: str, index: int | None = None) -> None:
+        """Hand the graph to depyf / TORCH_LOGS as ``post_grad.<index>.<Pass>.<stage>``."""
         gm = graph.owning_module
         if gm is None:
             return
-        name = f"post_grad.{self.index}.{type(self).__name__}.{stage}"
+        index = self.index if index is None else index
+        name = f"post_grad.{index}.{type(self).__name__}.{stage}"
         # Looked up at call time: depyf's prepare_debug patches this attribute.
         text = torch._dynamo.utils.lazy_format_graph_code(name, gm, colored=False)
         logger.debug("%s", text)

@@ -23,13 +23,14 @@ import re
 from pathlib import Path
 
 import expecttest
-import kimi_passes.graphs
 import torch
-from kimi_passes.graphs import K3Config, K3Model
 from torch._dynamo.exc import BackendCompilerFailed
 
+import kimi_passes.graphs
 from kimi_passes import AuxCaptureError, graph_text
-from kimi_passes.graph_text import GraphRecorder, kimi_op_counts
+from kimi_passes.graph_text import KIMI_OPS, MIXTURE_OPS, kimi_op_counts
+from kimi_passes.graphs import K3Config, K3Model
+from kimi_passes.recording import GraphRecorder
 
 GOLDEN_DIR = Path(kimi_passes.graphs.__file__).resolve().parent / "golden"
 FAST = {"fallback_by_default": True}
@@ -113,9 +114,9 @@ def ids(T: int = 5) -> torch.Tensor:
     return torch.arange(T) * 7 % 64
 
 
-def counts(attn_res=0, capture=0, mix=0, tap=0) -> dict[str, int]:
+def counts(attn_res=0, capture=0, mix=0, tap=0, mix_list=0) -> dict[str, int]:
     return {"attn_res": attn_res, "attn_res_capture": capture, "attn_res_mix": mix,
-            "aux_tap": tap}
+            "attn_res_mix_list": mix_list, "aux_tap": tap}
 
 
 class TestGoldens(GoldenTestCase):
@@ -342,3 +343,8 @@ return (v1, v0[0])
     def test_unknown_view(self):
         with self.assertRaisesRegex(ValueError, "unknown view 'short'"):
             graph_text(torch.fx.Graph(), "short")
+
+    def test_op_lists_name_every_kimi_op(self):
+        """kimi_op_counts and the DOT colours cover every registered kimi op (no stale list)."""
+        self.assertEqual(sorted(KIMI_OPS), sorted(torch.ops.kimi))
+        self.assertLessEqual(set(MIXTURE_OPS), set(KIMI_OPS))

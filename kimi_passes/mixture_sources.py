@@ -1,0 +1,110 @@
+"""Splitting a recognised mixture's stacked root into the sources it stacks.
+
+The root ``R`` is split along the source axis: the pieces of a ``cat`` (a
+``bank[:, a:b]`` slice counts as ``b - a`` sources), the inputs of a lowered
+``torch.stack`` (``cat`` + ``view``), or ``R``'s own slices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.fx import Node
+
+from kimi_passes.mixture_values import NoMatch, is_one, normalize_dim, numel, same_size, shape_of
+
+aten = torch.ops.aten
+
+
+@dataclass
+class SourceRun:
+    """Sources ``start..stop`` along ``dim`` of ``tensor``, or ``tensor`` itself (``single``)."""
+
+    tensor: Node
+    single: bool = False
+    dim: int = 0
+    start: int = 0
+    stop: int = 1
+
+
+def _base_of_size1_insert(node: Node) -> Node:
+    """See through unsqueeze / reshape that only insert size-1 dims."""
+    while node.op == "call_function" and node.target in (
+            aten.unsqueeze.default, aten.reshape.default, aten.view.default):
+        x = node.args[0]
+        if not isinstance(x, Node):
+            break
+        a = [s for s in shape_of(x) if not is_one(s)]
+        b = [s for s in shape_of(node) if not is_one(s)]
+        if len(a) != len(b) or not all(same_size(p, q) for p, q in zip(a, b, strict=True)):
+            break
+        if len(shape_of(x)) >= len(shape_of(node)):
+            break
+        node = x
+    return node
+
+
+def split_sources(root: Node, source_dim: int | None) -> list[SourceRun]:
+    """The sources ``root`` stacks along ``source_dim`` (None: one source, a size-1 axis)."""
+    shape = shape_of(root)
+    c = source_dim
+    if c is None:
+        base = _base_of_size1_insert(root)
+        if base is root and not (root.target is aten.cat.default and len(root.args[0]) == 1):
+            raise NoMatch(f"root {root.name}: softmax over a size-1 axis that does not come "
+                          "from stacking a single source")
+        if base is root:
+            base = _base_of_size1_insert(root.args[0][0])
+        return [SourceRun(base, single=True)]
+    if root.target is aten.cat.default:
+        dim = normalize_dim(root.args[1] if len(root.args) > 1 else 0, len(shape))
+        if dim == c:
+            return _cat_pieces(root, c)
+    if root.target in (aten.reshape.default, aten.view.default) and isinstance(
+            root.args[0], Node) and root.args[0].target is aten.cat.default:
+        cat = root.args[0]
+        pieces = cat.args[0]
+        dim = normalize_dim(cat.args[1] if len(cat.args) > 1 else 0, len(shape_of(cat)))
+        P = shape_of(pieces[0])
+        want = P[:dim] + (len(pieces),) + P[dim:]
+        if dim == c and all(len(shape_of(p)) == len(P) and all(
+                same_size(x, y) for x, y in zip(shape_of(p), P, strict=True)) for p in pieces
+                ) and len(want) == len(shape) and all(
+                same_size(x, y) for x, y in zip(want, shape, strict=True)):
+            return [SourceRun(p, single=True) for p in pieces]  # a lowered torch.stack
+    n = shape[c]
+    if not isinstance(n, int):
+        raise NoMatch(f"root {root.name}: symbolic number of sources")
+    return [SourceRun(root, dim=c, start=0, stop=n)]
+
+
+def _cat_pieces(root: Node, c: int) -> list[SourceRun]:
+    """The sources of ``cat(pieces, c)``, piece by piece."""
+    rank = len(shape_of(root))
+    runs = []
+    for p in root.args[0]:
+        if len(shape_of(p)) != rank:  # cat's legacy empty 1-D operand
+            if numel(p) == 0:
+                continue
+            raise NoMatch(f"root {root.name}: piece {p.name} has another rank")
+        k = shape_of(p)[c]
+        if not isinstance(k, int):
+            raise NoMatch(f"root {root.name}: piece {p.name} has a symbolic source count")
+        if k == 0:
+            continue
+        if k == 1:
+            if p.target is aten.unsqueeze.default and normalize_dim(p.args[1], rank) == c:
+                runs.append(SourceRun(p.args[0], single=True))
+            else:
+                runs.append(SourceRun(p, dim=c, start=0, stop=1))
+            continue
+        if (p.target is aten.slice.Tensor and normalize_dim(p.args[1], rank) == c
+                and (len(p.args) < 5 or p.args[4] == 1)):
+            base = p.args[0]
+            start = p.args[2] if len(p.args) > 2 and p.args[2] is not None else 0
+            start = normalize_dim(start, shape_of(base)[c]) if start < 0 else start
+            runs.append(SourceRun(base, dim=c, start=start, stop=start + k))
+        else:
+            runs.append(SourceRun(p, dim=c, start=0, stop=k))
+    return runs
