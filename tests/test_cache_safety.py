@@ -10,6 +10,10 @@ prefix for prefix) and its ``counters["inductor"]`` / ``counters["aot_autograd"]
 Asserted: every process gets its own stream's taps; no cache bypass anywhere (the pass
 manager is a ``CustomGraphPass`` with a ``uuid()``); the first two miss; the third is
 served from the cache (``fxgraph_cache_hit >= 1``) and still gets attn_res taps.
+
+The key also covers the code: each pass's ``uuid()`` hashes its module and every
+kimi_passes module it imports. The last tests point the hash at copies of the sources
+and edit a dependency (``consumer.py``, ``fx_toolkit.py``): the key must change.
 """
 
 from __future__ import annotations
@@ -20,6 +24,11 @@ import subprocess
 import sys
 
 import pytest
+
+from kimi_passes import cache_key
+from kimi_passes.aux_stream import AuxStreamPass
+from kimi_passes.backend import build_passes
+from kimi_passes.fusion import AttnResFusionPass
 
 SCRIPT = r"""
 import json, sys
@@ -109,3 +118,63 @@ def test_aot_autograd_cache_agrees(runs):
     for i, r in enumerate(runs):
         assert r["aot_autograd"].get("autograd_cache_bypass", 0) == 0, f"process {i}: {r}"
     assert runs[1]["aot_autograd"].get("autograd_cache_hit", 0) == 0, runs[1]
+
+
+# --------------------------------------------------------------------------- code in the key
+
+PASSES = {"aux_stream": lambda: AuxStreamPass("attn_res"), "fusion": AttnResFusionPass,
+          "manager": lambda: build_passes("attn_res")}
+
+
+@pytest.fixture
+def source_copies(tmp_path, monkeypatch):
+    """Hash copies of the sources (made on first use) instead of the installed files."""
+    copies = {}
+    real = cache_key.module_path
+
+    def locate(name):
+        if name not in copies:
+            copies[name] = tmp_path / f"{name}.py"
+            copies[name].write_bytes(real(name).read_bytes())
+        return copies[name]
+
+    monkeypatch.setattr(cache_key, "module_path", locate)
+    return locate
+
+
+@pytest.mark.parametrize("edited", ["kimi_passes.consumer", "kimi_passes.fx_toolkit"])
+@pytest.mark.parametrize("which", sorted(PASSES))
+def test_an_edit_to_a_dependency_changes_the_key(source_copies, which, edited):
+    p = PASSES[which]()
+    before = p.uuid()
+    assert p.uuid() == before  # stable while nothing changes
+    path = source_copies(edited)
+    path.write_text(path.read_text() + "\n# an edit\n")
+    assert p.uuid() != before, f"{which}'s key ignores an edit to {edited}"
+
+
+@pytest.mark.parametrize("which", ["aux_stream", "fusion"])
+def test_an_edit_elsewhere_keeps_the_key(source_copies, which):
+    """The key follows imports: a module no pass imports (the depyf helper) is not in it."""
+    p = PASSES[which]()
+    before = p.uuid()
+    path = source_copies("kimi_passes.debug")
+    path.write_text(path.read_text() + "\n# an edit\n")
+    assert p.uuid() == before
+
+
+def test_the_key_names_the_modules_a_rewrite_runs():
+    aux, fusion = AuxStreamPass().source_modules(), AttnResFusionPass().source_modules()
+    for needed in ("kimi_passes.consumer", "kimi_passes.fx_toolkit", "kimi_passes.inductor_pass",
+                   "kimi_passes.ops.library"):
+        assert needed in aux and needed in fusion, needed
+    assert {"kimi_passes.mixture_evaluator", "kimi_passes.mixture_rewrite"} <= set(fusion)
+    assert "kimi_passes.aux_stream" in aux and "kimi_passes.fusion" not in aux
+
+
+def test_options_and_pass_name_are_in_the_key():
+    assert AuxStreamPass("attn_res").uuid() != AuxStreamPass("prefix").uuid()
+    assert AuxStreamPass(fuse=True).uuid() != AuxStreamPass(fuse=False).uuid()
+    assert AttnResFusionPass(debug=True).uuid() == AttnResFusionPass(debug=False).uuid()
+    assert build_passes("attn_res").uuid() != build_passes("attn_res", fuse_torch_mixing=False
+                                                           ).uuid()
