@@ -40,11 +40,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from kimi_passes.ops.differentiable import attn_res_differentiable
 from torch import nn
 
 from kimi_passes.errors import AuxCaptureError
 from kimi_passes.ops.conventions import cdiv
+from kimi_passes.ops.differentiable import attn_res_differentiable
 from kimi_passes.tap import aux_tap
 
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from kimi_passes.graphs.k3 import K3Config, K3Model
 from kimi_passes.ops import AttnResArgumentError, attn_res_reference, backward
 from kimi_passes.ops import triton_backward as tb
@@ -26,7 +28,6 @@ from kimi_passes.ops.differentiable import (
     attn_res_capture_differentiable,
     attn_res_differentiable,
 )
-from torch.utils._python_dispatch import TorchDispatchMode
 
 OPS = torch.ops.kimi
 EPS = 1e-6

@@ -179,8 +179,9 @@ def test_k3_tiny_cuda_graphs_replay_with_new_inputs(monkeypatch):
     Inductor's ``{"triton.cudagraphs": True}``, passed here the way kimi_backend takes it.
     """
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    from kimi_passes.graphs import K3Config, K3Model
     from torch._dynamo.utils import counters
+
+    from kimi_passes.graphs import K3Config, K3Model
 
     torch._dynamo.reset()
     counters.clear()
