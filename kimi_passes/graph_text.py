@@ -40,7 +40,8 @@ from kimi_passes.graph_names import Symbols, op_name, source_name
 
 VIEWS = ("full", "skeleton")
 #: Every kimi op, as ``kimi_op_counts`` counts them.
-KIMI_OPS = ("attn_res", "attn_res_capture", "attn_res_mix", "attn_res_mix_list", "aux_tap")
+KIMI_OPS = ("attn_res", "attn_res_capture", "attn_res_mix", "attn_res_mix_list", "aux_tap",
+            "attn_res_mix_backward", "attn_res_mix_list_backward")
 #: The ops a DOT drawing fills orange: those that produce or mark a mixture for a tap.
 MIXTURE_OPS = ("attn_res_capture", "attn_res_mix", "attn_res_mix_list", "aux_tap")
 

@@ -114,9 +114,10 @@ def ids(T: int = 5) -> torch.Tensor:
     return torch.arange(T) * 7 % 64
 
 
-def counts(attn_res=0, capture=0, mix=0, tap=0, mix_list=0) -> dict[str, int]:
-    return {"attn_res": attn_res, "attn_res_capture": capture, "attn_res_mix": mix,
-            "attn_res_mix_list": mix_list, "aux_tap": tap}
+def counts(attn_res=0, capture=0, mix=0, tap=0) -> dict[str, int]:
+    """kimi_op_counts of a golden graph: these ops as given, every other kimi op 0."""
+    return {**dict.fromkeys(KIMI_OPS, 0), "attn_res": attn_res, "attn_res_capture": capture,
+            "attn_res_mix": mix, "aux_tap": tap}
 
 
 class TestGoldens(GoldenTestCase):
