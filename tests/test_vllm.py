@@ -36,9 +36,9 @@ if importlib.util.find_spec("vllm") is None:  # test_vllm_required.py fails on C
 
 import torch  # noqa: E402
 import vllm_harness as h  # noqa: E402
-from kimi_passes.graphs.k3 import K3Config  # noqa: E402
 
 from kimi_passes import AuxCaptureError  # noqa: E402
+from kimi_passes.graphs.k3 import K3Config  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 TOL = 1e-5

@@ -27,10 +27,10 @@ import sys  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from kimi_passes.graphs.k3 import K3Config, K3Model  # noqa: E402
 from torch import nn  # noqa: E402
 
 import kimi_passes  # noqa: E402,F401
+from kimi_passes.graphs.k3 import K3Config, K3Model  # noqa: E402
 
 ATTENTION_OP = "kimi_vllm_test::attention"
 
