@@ -1,0 +1,321 @@
+"""Differential fuzz of AttnResFusionPass: ``kimi_backend`` equals plain Inductor.
+
+``kimi_backend`` rewrites every model compiled with it, so a false match would silently
+change someone's numbers. Random plain-torch programs (tests/fusion_programs.py: one or
+two mixing sites over the layouts ``[T, n, H]``, ``[n, B, T, H]`` and ``bank[:, a:b]`` +
+prefix, in many spellings, some sites turned into near misses) are compiled twice,
+``torch.compile(..., backend=kimi_backend)`` and ``backend="inductor"``, and:
+
+- eval (no grad): the outputs agree, and the graph holds one kimi mix node
+  (``attn_res_mix`` or ``attn_res_mix_list``) per exact site: every exact site is fused,
+  no near miss is;
+- training (parameters and inputs require grad, backward of a random linear functional
+  of the outputs): the outputs and every gradient agree.
+
+Tolerances (``TOL``), on ``max|kimi - inductor| / max(1, max|inductor|)`` per tensor
+(inputs and outputs are O(1), so this is relative to the magnitude without blowing up
+on gradients that are 0 in exact arithmetic, e.g. a Linear bias under softmax):
+
+- fp32 1e-5: both sides accumulate in fp32 but in different orders (the fused op sums
+  over H then over n; Inductor's kernels split differently); measured worst 1.9e-6
+  in eval and 2.4e-6 in training over the long run below (README figures).
+- bf16 4e-2: the fused op keeps keys, logits and probabilities in fp32 where the program
+  rounds them to bf16 (a documented choice: at least as accurate), so the two differ by a
+  few bf16 ulps (2^-8 = 3.9e-3 relative) of the logits, amplified by the softmax; measured
+  worst 1.6e-2. A wrong fusion (another axis, other values, a lost weight) is off by O(1).
+
+Profiles (registered here; other files keep Hypothesis' defaults): ``ci`` (default;
+derandomized, few examples) and ``long`` (``KIMI_PASSES_FUSION_FUZZ_PROFILE=long``,
+``KIMI_PASSES_FUSION_FUZZ_EXAMPLES`` (default 500), seed ``KIMI_PASSES_FUSION_FUZZ_SEED``;
+no shrinking: each example is four to six compiles). ``KIMI_PASSES_FUSION_FUZZ_LOG=<file>``
+appends one JSON line per example and mode (the program and its ``describe()``, expected
+and found mix nodes, the pass's refusal reasons, worst error, seconds);
+``KIMI_PASSES_FUSION_FUZZ_KEEP_GOING=1`` logs failures and carries on.
+
+    KIMI_PASSES_FUSION_FUZZ_PROFILE=long KIMI_PASSES_FUSION_FUZZ_KEEP_GOING=1 \\
+    KIMI_PASSES_FUSION_FUZZ_LOG=fusion.jsonl pytest tests/test_fusion_fuzz.py -k "equals or kept"
+
+or ``python tools/fuzz_long.py --suite fusion`` (one seed per core, with a summary).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import time
+
+import pytest
+import torch
+from fusion_programs import (
+    DOTS,
+    KEY_CASTS,
+    LAYOUTS,
+    MISSES,
+    NORMS,
+    SOFTMAXES,
+    WEIGHTS,
+    WSUMS,
+    Program,
+    ProgramModule,
+    Site,
+    program_inputs,
+    programs,
+    reference,
+)
+from hypothesis import HealthCheck, Phase, example, given, seed, settings
+from torch._inductor import config as inductor_config
+
+from kimi_passes import make_kimi_backend
+from kimi_passes.backend import KimiPassManager
+from kimi_passes.fusion import AttnResFusionPass
+from kimi_passes.graph_text import GraphRecorder
+
+PROFILE = os.environ.get("KIMI_PASSES_FUSION_FUZZ_PROFILE", "ci")
+SEED = int(os.environ.get("KIMI_PASSES_FUSION_FUZZ_SEED", "20261201"))
+LOG = os.environ.get("KIMI_PASSES_FUSION_FUZZ_LOG")
+KEEP_GOING = os.environ.get("KIMI_PASSES_FUSION_FUZZ_KEEP_GOING") == "1"
+KEPT_FAILURES: list[dict] = []
+
+settings.register_profile(
+    "fusion-ci", max_examples=1, deadline=None, derandomize=True, database=None,
+    phases=[Phase.explicit, Phase.generate],
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large], print_blob=True)
+settings.register_profile(
+    "fusion-long", max_examples=int(os.environ.get("KIMI_PASSES_FUSION_FUZZ_EXAMPLES", "500")),
+    deadline=None, database=None, phases=[Phase.explicit, Phase.generate],
+    suppress_health_check=list(HealthCheck), print_blob=True)
+if PROFILE not in ("ci", "long"):
+    raise ValueError(f"KIMI_PASSES_FUSION_FUZZ_PROFILE={PROFILE!r}: use 'ci' or 'long'")
+FUZZ_SETTINGS = settings(settings.get_profile(f"fusion-{PROFILE}"))
+
+
+def seeded(test):
+    return test if PROFILE == "ci" else seed(SEED)(test)
+
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 4e-2}
+MIX_OPS = ("attn_res_mix", "attn_res_mix_list")
+
+
+@pytest.fixture(autouse=True)
+def _no_fx_graph_cache():
+    """Graphs are inspected: a cache hit would skip the passes (as in tests/test_fusion.py)."""
+    with inductor_config.patch(force_disable_caches=True, compile_threads=1):
+        yield
+
+
+# --------------------------------------------------------------------------- running
+
+
+def _compiled(model, backend):
+    torch._dynamo.reset()  # a fresh cache per program: no recompile limit, no dynamic dims
+    return torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
+
+
+def _rel_err(got, want) -> float:
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return float("inf")
+    if not got.numel():
+        return 0.0
+    if not (torch.isfinite(got).all() and torch.isfinite(want).all()):
+        return 0.0 if torch.equal(got, want) else float("inf")
+    diff = float((got.float() - want.float()).abs().max())
+    return diff / max(1.0, float(want.float().abs().max()))
+
+
+class _CountingPasses(KimiPassManager):
+    """The recorder's passes, noting the fusion pass's count per graph (forward, backward)."""
+
+    def __init__(self, inner: KimiPassManager):
+        super().__init__(inner.passes)
+        self.inner, self.fused = inner, []
+
+    def __call__(self, graph) -> None:
+        self.inner(graph)
+        self.fused.append(self.inner.get(AttnResFusionPass).last_fused)
+
+
+def _mix_nodes(rec: GraphRecorder) -> int:
+    counts = rec.last.counts()
+    return sum(counts.get(op, 0) for op in MIX_OPS)
+
+
+def _run_training(model, backend, xs, bank, other, functional):
+    """Outputs, then the gradients of every input and parameter (None where unused)."""
+    model = copy.deepcopy(model).train().requires_grad_(True)
+    xs = [x.detach().clone().requires_grad_(True) for x in xs]
+    bank = None if bank is None else bank.detach().clone().requires_grad_(True)
+    outs = _compiled(model, backend)(xs, bank, other)
+    sum((o.float() * r).sum() for o, r in zip(outs, functional, strict=True)).backward()
+    leaves = [*xs, *([] if bank is None else [bank]), *model.parameters()]
+    return list(outs), [leaf.grad for leaf in leaves]
+
+
+def check_program(p: Program, mode: str) -> dict:
+    """Compile ``p`` with kimi_backend and with plain Inductor; raise AssertionError on any
+    difference (or, in eval, on a fusion count other than the number of exact sites)."""
+    model = ProgramModule(p)
+    xs, bank, other = program_inputs(p)
+    tol = TOL[p.dtype]
+    rec = GraphRecorder(make_kimi_backend())
+    rec.backend.passes = counting = _CountingPasses(rec.backend.passes)
+    record: dict = {"mode": mode, "expected_fused": p.exact_sites}
+    if mode == "eval":
+        model = model.eval().requires_grad_(False)
+        with torch.no_grad():
+            got = _compiled(model, rec)(xs, bank, other)
+            want = _compiled(model, "inductor")(xs, bank, other)
+        named = [(f"output {i}", g, w) for i, (g, w) in enumerate(zip(got, want, strict=True))]
+    else:
+        g = torch.Generator().manual_seed(p.seed + 2)
+        shape = (p.B, p.T, p.H) if p.layout == "nbth" else (p.T, p.H)
+        functional = [torch.randn(*shape, generator=g) for _ in p.sites]
+        got_out, got_grads = _run_training(model, rec, xs, bank, other, functional)
+        want_out, want_grads = _run_training(model, "inductor", xs, bank, other, functional)
+        names = [f"grad of source {i}" for i in range(len(xs))] + (
+            [] if bank is None else ["grad of bank"]) + [
+            f"grad of {n}" for n, _ in model.named_parameters()]
+        named = [(f"output {i}", g_, w) for i, (g_, w) in enumerate(
+            zip(got_out, want_out, strict=True))]
+        for n, g_, w in zip(names, got_grads, want_grads, strict=True):
+            assert (g_ is None) == (w is None), f"{n}: kimi {g_ is None}, inductor {w is None}"
+            if g_ is not None:
+                named.append((n, g_, w))
+    fp = rec.backend.passes.get(AttnResFusionPass)
+    # Training: the forward graph's count (the backward's is logged, not checked).
+    record["fused"] = _mix_nodes(rec) if mode == "eval" else counting.fused[0]
+    record["fused_per_graph"] = counting.fused
+    record["sites"] = [s.op for s in fp.last_sites]
+    record["misses"] = sorted({str(m)[:160] for m in fp.last_misses})
+    errs = {n: _rel_err(g_, w) for n, g_, w in named}
+    record["worst"] = max(errs.values())
+    record["worst_at"] = max(errs, key=errs.get)
+    bad = {n: e for n, e in errs.items() if e > tol}
+    assert not bad, (f"kimi_backend differs from plain Inductor ({mode}, tolerance {tol:g} "
+                     f"relative to max(1, max|ref|)): {bad}")
+    if mode == "eval":
+        assert len(rec.graphs) == 1, f"{len(rec.graphs)} graphs compiled; expected one"
+        assert record["fused"] == p.exact_sites, (
+            f"{record['fused']} kimi mix node(s) in the graph, expected {p.exact_sites} "
+            f"(one per exact site, none per near miss); fused {record['sites']}, "
+            f"refused: {record['misses']}")
+        assert counting.fused == [p.exact_sites]
+    return record
+
+
+# --------------------------------------------------------------------------- the property
+
+
+def _site(n, **kw):
+    base = dict(n=n, gather="stack", bank_start=-1, norm="rms_norm", weight="after",
+                dot="einsum", softmax="method", temperature=None, key_cast="none",
+                probs_fp32=False, wsum="einsum")
+    return Site(**{**base, **kw})
+
+
+# Explicit examples (both profiles), whatever is generated: a two-site bank program (the
+# attn_res_mix op; the first output is the second site's prefix), and a [n, B, T, H] cat
+# normalised by hand with a Linear bias next to a near miss (softmax over T). The one
+# generated ci example adds a bf16 [T, n, H] stack mixed in fp32 (attn_res_mix_list).
+EXPLICIT = [
+    Program("bank", torch.float32, 6, 1, 16, (
+        _site(3, gather="bank", bank_start=0, norm="rsqrt_mean", dot="matmul",
+              softmax="exp_max", wsum="mul_sum"),
+        _site(2, gather="bank", bank_start=1, weight="before", temperature=0.25)),
+        seed=11, bank_slots=3),
+    Program("nbth", torch.float32, 4, 2, 8, (
+        _site(2, gather="cat", norm="div_sqrt", weight="none", dot="linear_bias",
+              softmax="functional_fp32", wsum="transposed"),
+        _site(3, miss="softmax_other_axis", key_cast="fp32_round")), seed=13),
+]
+
+
+def _log(info):
+    if LOG:
+        with open(LOG, "a") as f:
+            f.write(json.dumps(info) + "\n")
+
+
+@FUZZ_SETTINGS
+@seeded
+@given(program=programs())
+@example(program=EXPLICIT[0])
+@example(program=EXPLICIT[1])
+def test_kimi_backend_equals_inductor(program):
+    for mode in ("eval", "train"):
+        info = {"describe": program.describe(), "program": program.as_dict()}
+        t0 = time.perf_counter()
+        try:
+            info.update(check_program(program, mode), outcome="ok")
+        except AssertionError as e:
+            info.update(mode=mode, outcome="mismatch", error=str(e)[:800])
+            if not KEEP_GOING:
+                raise AssertionError(f"{program.describe()}: {e}") from None
+            KEPT_FAILURES.append(info)
+        except Exception as e:  # anything else is a bug too: loud, logged
+            info.update(mode=mode, outcome="unexpected", error=f"{type(e).__name__}: {e}"[:800])
+            if not KEEP_GOING:
+                raise
+            KEPT_FAILURES.append(info)
+        except BaseException:
+            info.update(mode=mode, outcome="interrupted")
+            raise
+        finally:
+            info["seconds"] = round(time.perf_counter() - t0, 2)
+            _log(info)
+
+
+def test_kept_going_without_failures():
+    """With KIMI_PASSES_FUSION_FUZZ_KEEP_GOING=1 the property logs failures instead of raising."""
+    assert not KEPT_FAILURES, f"{len(KEPT_FAILURES)} failing examples: {KEPT_FAILURES[:3]}"
+
+
+# --------------------------------------------------------------------------- the generator
+
+
+def test_generator_exact_sites_are_mixtures_and_near_misses_are_not():
+    """Eager, no compile: the strategy is what the property assumes. Every exact site
+    computes the AttnRes mixture of its sources (fp64 reference from its parameters), every
+    near miss computes something else, and the draws reach every spelling, layout and miss."""
+    seen: dict[str, set] = {}
+    worst_exact = {torch.float32: 0.0, torch.bfloat16: 0.0}
+    closest_miss = float("inf")
+
+    @settings(max_examples=300, derandomize=True, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(program=programs())
+    def probe(program):
+        nonlocal closest_miss
+        model = ProgramModule(program).eval().requires_grad_(False)
+        model.trace = []
+        xs, bank, other = program_inputs(program)
+        with torch.no_grad():
+            outs = model(xs, bank, other)
+        seen.setdefault("layout", set()).add(program.layout)
+        seen.setdefault("sites", set()).add(len(program.sites))
+        seen.setdefault("dtype", set()).add(program.dtype)
+        for site, srcs, out in zip(model.sites, model.trace, outs, strict=True):
+            for knob in ("n", "gather", "norm", "weight", "dot", "softmax", "temperature",
+                         "key_cast", "probs_fp32", "wsum", "miss"):
+                seen.setdefault(knob, set()).add(getattr(site.s, knob))
+            with torch.no_grad():
+                ref = reference(site, srcs)
+            err = float((out.double() - ref).abs().max() / max(1.0, float(ref.abs().max())))
+            if site.s.miss is None:
+                worst_exact[program.dtype] = max(worst_exact[program.dtype], err)
+            else:
+                closest_miss = min(closest_miss, err)
+
+    probe()
+    # fp32: the program's own rounding; bf16: keys/probabilities rounded to bf16 on the way.
+    assert worst_exact[torch.float32] < 1e-5 and worst_exact[torch.bfloat16] < 4e-2, worst_exact
+    assert closest_miss > 1e-3, closest_miss  # 100 x the fp32 tolerance
+    expected = {"layout": set(LAYOUTS), "sites": {1, 2}, "n": {1, 2, 3, 4},
+                "gather": {"stack", "cat", "bank"}, "norm": set(NORMS), "weight": set(WEIGHTS),
+                "dot": set(DOTS), "softmax": set(SOFTMAXES), "key_cast": set(KEY_CASTS),
+                "probs_fp32": {False, True}, "wsum": set(WSUMS), "miss": {None, *MISSES},
+                "dtype": {torch.float32, torch.bfloat16}}
+    missing = {k: v - seen[k] for k, v in expected.items() if v - seen[k]}
+    assert not missing, missing
+    assert len(seen["temperature"]) >= 4
