@@ -46,3 +46,29 @@ def test_any_failing_example_fails_the_summary(tmp_path):
         text, ok = fuzz_long.summarize([write(tmp_path, [row(), row(outcome=outcome)])])
         assert not ok and f"'{outcome}': 1" in text
     assert fuzz_long.summarize([write(tmp_path, [])]) == ("no examples logged", False)
+
+
+def fusion_row(mode="eval", miss=None, fused=1, **kw):
+    site = {"n": 2, "miss": miss}
+    r = {"mode": mode, "describe": f"tnh float32 | n=2 MISS={miss}", "fused": fused,
+         "program": {"layout": "tnh", "dtype": "float32", "sites": [site]},
+         "worst": 1e-7, "outcome": "ok", "seconds": 3.0}
+    return {**r, **kw}
+
+
+def test_fusion_summary_counts_programs_sites_and_failures(tmp_path):
+    rows = [fusion_row(), fusion_row("train"), fusion_row(miss="mask", fused=0),
+            fusion_row("train", miss="mask", fused=0, worst=2e-7),
+            fusion_row(worst=3e-3, program={"layout": "bank", "dtype": "bfloat16",
+                                            "sites": [{"n": 1, "miss": None}]},
+                       describe="bank bf16")]
+    text, ok = fuzz_long.summarize_fusion([write(tmp_path, rows, "fusion_1.jsonl")])
+    assert ok, text
+    assert "programs: 3 (eval) / 2 (train); distinct: 3" in text
+    assert "sites: 3 (2 exact, 1 near misses); in passing eval programs 2 fused, 1 left alone" \
+        in text, text
+    assert "eval float32 1e-07, eval bfloat16 0.003, train float32 2e-07" in text
+    text, ok = fuzz_long.summarize_fusion(
+        [write(tmp_path, [*rows, fusion_row(outcome="mismatch", error="differs")])])
+    assert not ok and "MISMATCH (eval): tnh float32 | n=2 MISS=None: differs" in text
+    assert fuzz_long.summarize_fusion([write(tmp_path, [])]) == ("no examples logged", False)

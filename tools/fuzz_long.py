@@ -8,8 +8,14 @@ summarised: examples, distinct configurations (the weights' seed left out), outc
 stage compiles verified or refused, taps verified, the spread of the knobs and the worst
 error in tolerances. Exit status 1 if any process failed or any example did not pass.
 
+``--suite fusion`` runs ``tests/test_fusion_fuzz.py`` instead (the differential fuzz of
+the AttnRes fusion pass against plain Inductor; ``KIMI_PASSES_FUSION_FUZZ_*``, logs
+``fusion_<seed>.jsonl``) and summarises programs, sites fused and refused, and the worst
+error per dtype and mode.
+
     python tools/fuzz_long.py --seeds 20261130 20261131 --examples 600    # ~1 h, 2 cores
     python tools/fuzz_long.py --summarize-only --log-dir fuzz_logs        # logs only
+    python tools/fuzz_long.py --suite fusion --examples 200 --timeout 1800
 
 A Hypothesis run revisits some examples (about 15% of draws repeat a configuration), so
 the distinct count, not the example count, is the one to quote. Repeats are served from
@@ -32,19 +38,30 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIG_KEYS = ("L", "S", "H", "ids", "cuts", "T", "dtype", "stream", "fuse")
 
 
-def run_shards(seeds, examples: int, log_dir: Path, timeout_s: int) -> list[int]:
+# suite: (env prefix, log name prefix, test file, -k selection)
+SUITES = {
+    "taps": ("KIMI_PASSES_FUZZ_", "fuzz", "tests/test_fuzz.py", "ground_truth or kept"),
+    "fusion": ("KIMI_PASSES_FUSION_FUZZ_", "fusion", "tests/test_fusion_fuzz.py",
+               "equals or kept"),
+}
+
+
+def run_shards(seeds, examples: int, log_dir: Path, timeout_s: int,
+               suite: str = "taps") -> list[int]:
     """One pytest process per seed, all at once; returns their exit codes."""
+    env_prefix, name, test_file, select = SUITES[suite]
     log_dir.mkdir(parents=True, exist_ok=True)
     procs = []
     for s in seeds:
-        log = log_dir / f"fuzz_{s}.jsonl"
+        log = log_dir / f"{name}_{s}.jsonl"
         log.unlink(missing_ok=True)
-        env = dict(os.environ, KIMI_PASSES_FUZZ_PROFILE="long", KIMI_PASSES_FUZZ_KEEP_GOING="1",
-                   KIMI_PASSES_FUZZ_SEED=str(s), KIMI_PASSES_FUZZ_EXAMPLES=str(examples),
-                   KIMI_PASSES_FUZZ_LOG=str(log), OMP_NUM_THREADS="1")
-        out = open(log_dir / f"fuzz_{s}.out", "w")  # noqa: SIM115  (closed below)
+        env = dict(os.environ, OMP_NUM_THREADS="1", **{
+            env_prefix + k: v for k, v in (("PROFILE", "long"), ("KEEP_GOING", "1"),
+                                           ("SEED", str(s)), ("EXAMPLES", str(examples)),
+                                           ("LOG", str(log)))})
+        out = open(log_dir / f"{name}_{s}.out", "w")  # noqa: SIM115  (closed below)
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-               "tests/test_fuzz.py", "-k", "ground_truth or kept"]
+               test_file, "-k", select]
         procs.append((s, out, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out,
                                                stderr=subprocess.STDOUT)))
     codes, deadline = [], time.monotonic() + timeout_s
@@ -120,6 +137,44 @@ def summarize(logs: list[Path]) -> tuple[str, bool]:
     return "\n".join(lines), ok
 
 
+def summarize_fusion(logs: list[Path]) -> tuple[str, bool]:
+    """Summary of tests/test_fusion_fuzz.py logs (one row per program and mode)."""
+    rows = [json.loads(line) for log in logs for line in log.read_text().splitlines()]
+    if not rows:
+        return "no examples logged", False
+    evals = [r for r in rows if r["mode"] == "eval"]
+    sites = [s for r in evals for s in r["program"]["sites"]]
+    misses = collections.Counter(s["miss"] for s in sites if s["miss"])
+    exact = sum(1 for s in sites if not s["miss"])
+    ok_evals = [r for r in evals if r["outcome"] == "ok"]
+    fused = sum(r["fused"] for r in ok_evals)
+    refused = sum(len(r["program"]["sites"]) - r["fused"] for r in ok_evals)
+    outcomes = collections.Counter((r["mode"], r["outcome"]) for r in rows)
+
+    def worst(mode, dtype):
+        return max((r.get("worst", 0.0) for r in rows
+                    if r["mode"] == mode and r["program"]["dtype"] == dtype), default=None)
+
+    lines = [
+        f"logs: {', '.join(str(p) for p in logs)}",
+        f"programs: {len(evals)} (eval) / {len(rows) - len(evals)} (train); distinct: "
+        f"{len({r['describe'] for r in evals})}",
+        f"outcomes: {dict(sorted((f'{m} {o}', n) for (m, o), n in outcomes.items()))}",
+        f"sites: {len(sites)} ({exact} exact, {len(sites) - exact} near misses); in passing "
+        f"eval programs {fused} fused, {refused} left alone",
+        f"near misses: {dict(sorted(misses.items()))}",
+        f"layouts: {dict(collections.Counter(r['program']['layout'] for r in evals))}; "
+        f"bf16 {sum(1 for r in evals if r['program']['dtype'] == 'bfloat16')}",
+        "worst error / max(1, max|ref|): " + ", ".join(
+            f"{m} {d} {worst(m, d)}" for m in ("eval", "train") for d in ("float32", "bfloat16")),
+        f"example seconds: {sum(r['seconds'] for r in rows) / 60:.1f} min in all",
+    ]
+    failures = [r for r in rows if r["outcome"] != "ok"]
+    lines += [f"{r['outcome'].upper()} ({r['mode']}): {r['describe']}: {r.get('error', '')[:300]}"
+              for r in failures[:5]]
+    return "\n".join(lines), not failures
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[20261130, 20261131],
@@ -129,13 +184,16 @@ def main(argv=None) -> int:
     ap.add_argument("--log-dir", type=Path, default=Path("fuzz_logs"))
     ap.add_argument("--timeout", type=int, default=3 * 3600, help="seconds for all shards")
     ap.add_argument("--summarize-only", action="store_true", help="summarise existing logs")
+    ap.add_argument("--suite", choices=sorted(SUITES), default="taps",
+                    help="taps: tests/test_fuzz.py; fusion: tests/test_fusion_fuzz.py")
     args = ap.parse_args(argv)
+    name = SUITES[args.suite][1]
     codes = [] if args.summarize_only else run_shards(args.seeds, args.examples,
-                                                      args.log_dir, args.timeout)
-    logs = (sorted(args.log_dir.glob("fuzz_*.jsonl")) if args.summarize_only
-            else [args.log_dir / f"fuzz_{s}.jsonl" for s in args.seeds])
+                                                      args.log_dir, args.timeout, args.suite)
+    logs = (sorted(args.log_dir.glob(f"{name}_*.jsonl")) if args.summarize_only
+            else [args.log_dir / f"{name}_{s}.jsonl" for s in args.seeds])
     logs = [p for p in logs if p.exists()]
-    text, ok = summarize(logs)
+    text, ok = (summarize_fusion if args.suite == "fusion" else summarize)(logs)
     print(text)
     if codes:
         print(f"process exit codes (seeds {args.seeds}): {codes}")
