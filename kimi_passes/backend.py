@@ -96,10 +96,21 @@ class KimiBackend:
     def aux_pass(self) -> AuxStreamPass:
         return self.passes.get(AuxStreamPass)
 
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs, mode: str | None = None):
+        """Compile ``gm``; ``mode`` is ``torch.compile``'s (e.g. ``"reduce-overhead"``).
+
+        A mode sets the Inductor options it sets for ``backend="inductor"``; explicit
+        Inductor config patches given at construction win over it.
+        """
+        from torch._inductor import list_mode_options
         from torch._inductor.compile_fx import compile_fx
 
-        patches = {**self.inductor_config, "post_grad_custom_post_pass": self.passes}
+        try:
+            mode_patches = list_mode_options(mode) if mode else {}
+        except RuntimeError as e:
+            raise ValueError(f"kimi_passes: unknown torch.compile mode {mode!r} ({e})") from None
+        patches = {**mode_patches, **self.inductor_config,
+                   "post_grad_custom_post_pass": self.passes}
         try:
             return compile_fx(gm, example_inputs, config_patches=patches)
         except BackendCompilerFailed as e:
@@ -124,14 +135,17 @@ def make_kimi_backend(aux_stream: str | None = None, draft_config=None, **induct
     return KimiBackend(aux_stream, draft_config, **inductor_config)
 
 
-def kimi_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None):
+def kimi_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None,
+                 mode: str | None = None):
     """Inductor with the aux-stream pass; stream resolved per compile (see ``make_kimi_backend``).
 
     ``torch.compile(m, backend="kimi", options={...})`` passes ``options`` here:
     ``aux_stream``, ``draft_config``, ``fuse_capture``, ``fuse_torch_mixing`` and Inductor
-    config patches.
+    config patches. ``torch.compile(m, backend=kimi_backend, mode="reduce-overhead")``
+    passes ``mode``: it sets the Inductor options it sets for plain Inductor (CUDA graphs
+    for ``"reduce-overhead"``).
     """
-    return KimiBackend(**(options or {}))(gm, example_inputs)
+    return KimiBackend(**(options or {}))(gm, example_inputs, mode=mode)
 
 
 def register() -> None:

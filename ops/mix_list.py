@@ -9,7 +9,7 @@ mixing order. Per row ``r`` (every index but the last), accumulating in fp32:
     logit_j = <s_j[r], norm_weight * qk_weight> * rsqrt(mean(s_j[r]^2) + eps)
     p = softmax_j(logit_j);   out[r] = sum_j p_j * s_j[r]
 
-i.e. ``attn_res_mix`` (DESIGN section 3, steps 3-5) with the sources given one by one
+i.e. ``attn_res_mix`` (docs/design.md section 3, steps 3-5) with the sources given one by one
 instead of as ``blocks[:, :n]`` plus ``prefix``. ``norm_weight=None`` is RMSNorm without
 a weight (a ones vector). Weights may be in any floating dtype (math is fp32). The
 result has the sources' shape, in ``out_dtype`` (default: the sources' dtype), so a

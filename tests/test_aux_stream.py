@@ -1,4 +1,4 @@
-"""AuxStreamPass + kimi_backend on the reference K3 (issue: the aux-stream pass)."""
+"""AuxStreamPass + kimi_backend on the reference K3."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from torch._dynamo.utils import counters
 from torch._inductor import config as inductor_config
 from torch._inductor.utils import run_and_get_code
 
-from kimi_passes import AuxCaptureError, AuxStreamPass, make_kimi_backend
+from kimi_passes import AuxCaptureError, AuxStreamPass, kimi_backend, make_kimi_backend
 
 GEOMETRIES = [(1, 1), (2, 1), (2, 2), (5, 1), (5, 2), (5, 3), (5, 4), (8, 1), (8, 2), (8, 3),
               (8, 4)]
@@ -284,3 +284,29 @@ def test_separate_read_is_said_in_the_log(caplog):
         compile_model(inference_model(cfg), make_kimi_backend(fuse_capture=False))(
             token_ids(cfg))
     assert any("separate attn_res_mix read" in r.getMessage() for r in caplog.records)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("backend", ["function", "instance"])
+def test_torch_compile_mode_reaches_inductor(backend):
+    """``mode="reduce-overhead"`` is accepted and sets Inductor's CUDA graphs, as for Inductor.
+
+    On CPU Inductor then skips the CUDA graph and says so in its counters: the skip is the
+    evidence the mode's options arrived (without them nothing is attempted).
+    """
+    cfg = small_config(2, 1, (0, 1, 2))
+    model = inference_model(cfg)
+    ids = token_ids(cfg)
+    _, mixed = model.ground_truth(ids)
+    counters.clear()
+    fn = make_kimi_backend() if backend == "instance" else kimi_backend
+    got = compile_model(model, fn, mode="reduce-overhead")(ids)[1]
+    assert_taps_close(got, mixed, torch.float32)
+    assert counters["inductor"]["cudagraph_skips"] >= 1
+
+
+def test_unknown_compile_mode_is_named():
+    cfg = small_config(1, 1, (0,))
+    model = inference_model(cfg)
+    with pytest.raises(Exception, match="unknown torch.compile mode 'bogus'"):
+        compile_model(model, make_kimi_backend(), mode="bogus")(token_ids(cfg))

@@ -171,12 +171,8 @@ def test_k3_tiny_compiled_on_cuda(stream, fuse, monkeypatch):
 
 
 def test_k3_tiny_cuda_graphs_replay_with_new_inputs(monkeypatch):
-    """kimi_backend with CUDA graphs (``reduce-overhead``'s ``triton.cudagraphs``): several
-    replays with new inputs of one shape, each tap equal to the ground truth of its inputs.
-
-    ``torch.compile(m, backend=kimi_backend, mode="reduce-overhead")`` hands ``mode`` to the
-    backend, which takes Inductor config patches instead; ``mode="reduce-overhead"`` is
-    Inductor's ``{"triton.cudagraphs": True}``, passed here the way kimi_backend takes it.
+    """kimi_backend under ``mode="reduce-overhead"`` (CUDA graphs): several replays with
+    new inputs of one shape, each tap equal to the ground truth of its inputs.
     """
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     from torch._dynamo.utils import counters
@@ -187,9 +183,8 @@ def test_k3_tiny_cuda_graphs_replay_with_new_inputs(monkeypatch):
     counters.clear()
     cfg = K3Config.tiny()
     model = K3Model(cfg).to(DEV)
-    backend = kimi_passes.make_kimi_backend(aux_stream="attn_res",
-                                            **{"triton.cudagraphs": True})
-    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    backend = kimi_passes.make_kimi_backend(aux_stream="attn_res")
+    compiled = torch.compile(model, backend=backend, mode="reduce-overhead", fullgraph=True)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for step in range(5):

@@ -20,8 +20,8 @@
 #      fast-attnres when installed
 #   2b. tools/kernel_build.py --ci with this machine's triton (the CI runs the pinned one):
 #      registers, stack, programs and bytes in flight per SM for sm_90 and sm_100
-#   4. CUDA graphs: the tiny K3 compiled with kimi_backend and Inductor's CUDA graphs
-#      (what mode="reduce-overhead" sets: triton.cudagraphs), replayed 5 times with new
+#   4. CUDA graphs: the tiny K3 compiled with kimi_backend under mode="reduce-overhead"
+#      (Inductor's CUDA graphs), replayed 5 times with new
 #      inputs of one shape, taps vs the ground truth, no cudagraph skips
 #      (tests/test_cuda.py::test_k3_tiny_cuda_graphs_replay_with_new_inputs)
 #   5. decode-regime sweep: T = 1, 8, 64, 256 at H=7168 nb=8 bf16, the full variant, against
@@ -143,7 +143,7 @@ step "offline kernel build with this machine's triton: sm_90/sm_100, no spills (
 step "op bench: the headline shape T=8192 H=7168 nb=8 bf16 (target roof >= 0.9)" 150 \
     bench --only op --T 8192 --H 7168 --blocks 8 --dtypes bfloat16 --variants read full \
     --out "$RESULTS/op_headline.json" --text "$RESULTS/op_headline.txt"
-step "cuda graphs: tiny K3, kimi_backend + triton.cudagraphs, 5 replays, taps vs truth" 90 \
+step "cuda graphs: tiny K3, kimi_backend, mode=reduce-overhead, 5 replays, taps vs truth" 90 \
     tests cuda_graphs cuda_graphs
 step "op bench: decode sweep T=1,8,64,256 at H=7168 nb=8 bf16 (full) vs compiled, copy" 100 \
     bench --only op --T 1 8 64 256 --H 7168 --blocks 8 --dtypes bfloat16 --variants full \
