@@ -135,7 +135,7 @@ def _or_empty(t, like):
     return like.new_empty((0,)) if t is None else t
 
 
-def _check_grad(op: str, grad, like) -> None:
+def check_grad(op: str, grad, like) -> None:
     if grad.shape != like.shape or grad.device != like.device:
         raise AttnResArgumentError(
             f"kimi {op}: grad has shape {tuple(grad.shape)} on {grad.device} but the forward "
@@ -163,7 +163,7 @@ def attn_res_mix_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of ``kimi::attn_res_mix``: ``(dprefix, dblocks, d(norm_weight*qk_weight))``."""
     validate_mix(prefix, blocks, norm_weight, qk_weight, num_blocks, eps)
-    _check_grad("attn_res_mix_backward", grad, prefix)
+    check_grad("attn_res_mix_backward", grad, prefix)
     return attn_res_mix_backward_cpu(grad, prefix, blocks, norm_weight, qk_weight, num_blocks,
                                      eps, need_prefix, need_blocks, need_weights)
 
@@ -172,7 +172,7 @@ def attn_res_mix_backward(
 def _attn_res_mix_backward_fake(grad, prefix, blocks, norm_weight, qk_weight, num_blocks, eps,
                                 need_prefix, need_blocks, need_weights):
     validate_mix(prefix, blocks, norm_weight, qk_weight, num_blocks, eps)
-    _check_grad("attn_res_mix_backward", grad, prefix)
+    check_grad("attn_res_mix_backward", grad, prefix)
     empty = prefix.new_empty((0,))
     return (torch.empty_like(prefix) if need_prefix else empty,
             torch.empty_like(blocks, memory_format=torch.contiguous_format)
@@ -205,7 +205,7 @@ def attn_res_mix_list_backward(
     ``need_sources`` is false, ``dw`` ``[0]`` when ``need_weights`` is false.
     """
     validate_mix_list(sources, norm_weight, qk_weight, eps, grad.dtype)
-    _check_grad("attn_res_mix_list_backward", grad, sources[0])
+    check_grad("attn_res_mix_list_backward", grad, sources[0])
     return attn_res_mix_list_backward_torch(grad, sources, norm_weight, qk_weight, eps,
                                             need_sources, need_weights)
 
@@ -214,7 +214,7 @@ def attn_res_mix_list_backward(
 def _attn_res_mix_list_backward_fake(grad, sources, norm_weight, qk_weight, eps,
                                      need_sources, need_weights):
     validate_mix_list(sources, norm_weight, qk_weight, eps, grad.dtype)
-    _check_grad("attn_res_mix_list_backward", grad, sources[0])
+    check_grad("attn_res_mix_list_backward", grad, sources[0])
     first = sources[0]
     dsources = [torch.empty_like(s, memory_format=torch.contiguous_format)
                 for s in sources] if need_sources else []

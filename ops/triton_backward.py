@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from .backward import _check_grad
+from .backward import check_grad
 from .validate import AttnResArgumentError, validate_mix
 
 INTERPRETED = not isinstance(tl.sum, JITFunction)
@@ -141,7 +141,7 @@ def attn_res_mix_backward_triton(grad, prefix, blocks, norm_weight, qk_weight, n
                                  need_prefix, need_blocks, need_weights):
     """``kimi::attn_res_mix_backward`` on the tensors' device: ``(dprefix, dblocks, dw)``."""
     validate_mix(prefix, blocks, norm_weight, qk_weight, num_blocks, eps)
-    _check_grad("attn_res_mix_backward", grad, prefix)
+    check_grad("attn_res_mix_backward", grad, prefix)
     for name, t in (("grad", grad), ("prefix", prefix), ("blocks", blocks),
                     ("norm_weight", norm_weight), ("qk_weight", qk_weight)):
         if t.shape[-1] > 1 and t.stride(-1) != 1:

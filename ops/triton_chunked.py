@@ -44,7 +44,7 @@ def jit(fn):
 
 
 @jit
-def _round_bf16(y):
+def round_bf16_rtne(y):
     """fp32 -> bf16, round to nearest even, by bit manipulation (interpreter only)."""
     u = y.to(tl.uint32, bitcast=True)
     u = tl.where(y != y, 0x7FC00000, u + 0x7FFF + ((u >> 16) & 1))
@@ -98,7 +98,7 @@ def _attn_res_chunked_kernel(
             d = tl.load(delta_ptr + row * stride_d + cols, mask=hmask, other=0.0)
             x = x.to(tl.float32) + d.to(tl.float32)
             if BF16_SOFT_RTNE:
-                x = _round_bf16(x)
+                x = round_bf16_rtne(x)
             else:
                 x = x.to(prefix_ptr.dtype.element_ty)
             tl.store(p_row + cols, x, mask=hmask)
@@ -151,7 +151,7 @@ def _attn_res_chunked_kernel(
         if WRITE_MIX:
             y = mixed
             if BF16_SOFT_RTNE:
-                y = _round_bf16(y)
+                y = round_bf16_rtne(y)
             tl.store(mix_ptr + row * stride_m + cols, y.to(mix_ptr.dtype.element_ty),
                      mask=hmask)
         if WRITE_OUT:
@@ -159,7 +159,7 @@ def _attn_res_chunked_kernel(
             if HAS_OUT_NORM:
                 ms += tl.sum(mixed * mixed, axis=0)
             if BF16_SOFT_RTNE:
-                y = _round_bf16(y)
+                y = round_bf16_rtne(y)
             tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty),
                      mask=hmask)
 
@@ -176,7 +176,7 @@ def _attn_res_chunked_kernel(
                 ow = tl.load(out_norm_w_ptr + cols, mask=hmask, other=0.0).to(tl.float32)
                 y = y * scale * ow
                 if BF16_SOFT_RTNE:
-                    y = _round_bf16(y)
+                    y = round_bf16_rtne(y)
                 tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=hmask)
 
 

@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_chunked import CHUNKED_KERNEL, INTERPRETED, _round_bf16, jit
+from .triton_chunked import CHUNKED_KERNEL, INTERPRETED, jit, round_bf16_rtne
 from .validate import AttnResArgumentError, validate_mix, validate_sources
 
 
@@ -116,7 +116,7 @@ def _attn_res_kernel(
         # Round to the storage dtype before the value is stored, written or mixed.
         x = x.to(tl.float32) + d.to(tl.float32)
         if BF16_SOFT_RTNE:
-            x = _round_bf16(x)
+            x = round_bf16_rtne(x)
         else:
             x = x.to(prefix_ptr.dtype.element_ty)
         tl.store(p_ptrs, x, mask=hmask)
@@ -162,7 +162,7 @@ def _attn_res_kernel(
     if WRITE_MIX:
         y = mixed
         if BF16_SOFT_RTNE:
-            y = _round_bf16(y)
+            y = round_bf16_rtne(y)
         tl.store(mix_ptr + row * stride_m + cols, y.to(mix_ptr.dtype.element_ty), mask=hmask)
     if WRITE_OUT:
         y = mixed
@@ -171,7 +171,7 @@ def _attn_res_kernel(
             ms = tl.sum(mixed * mixed, axis=0) / H
             y = mixed * tl.rsqrt(ms + out_eps) * ow
         if BF16_SOFT_RTNE:
-            y = _round_bf16(y)
+            y = round_bf16_rtne(y)
         tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=hmask)
 
 
