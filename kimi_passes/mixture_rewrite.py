@@ -9,7 +9,8 @@ nodes are left to dead-code elimination). Which op, and in which dtype, is descr
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 from torch.fx import Graph, Node
@@ -43,6 +44,7 @@ class MixtureMatch:
     coefficient: float
     sizes: dict
     sources: list[SourceRun]
+    region: tuple = ()  # the replaced nodes (root to mixture)
 
 
 @dataclass
@@ -61,14 +63,23 @@ class FusedSite:
 class _Emitter:
     """Inserts nodes before ``before`` (through ``fx_toolkit.call_function``) and sizes."""
 
-    def __init__(self, graph: Graph, before: Node, size_sources: list[Node]):
+    def __init__(self, graph: Graph, before: Node, size_sources: list[Node],
+                 differentiable: bool = False):
         self.graph, self.before = graph, before
+        #: Graphs AOTAutograd will differentiate cast with ``_to_copy`` (prims have no
+        #: autograd formula); post-grad graphs with ``convert_element_type``, as Inductor.
+        self.differentiable = differentiable
         #: Tensors whose dims give symbolic sizes (``sym_size``) under dynamic shapes.
         self.size_sources = size_sources
         self._syms: dict = {}
 
     def __call__(self, target, *args, **kwargs) -> Node:
         return call_function(self.graph, target, args, kwargs, before=self.before)
+
+    def cast(self, x: Node, dtype: torch.dtype) -> Node:
+        if self.differentiable:
+            return self(aten._to_copy.default, x, dtype=dtype)
+        return self(prims.convert_element_type.default, x, dtype)
 
     def size(self, *factors):
         """A size argument: the product of ``factors`` (ints, SymInts or sympy)."""
@@ -116,8 +127,28 @@ def _peel_vector(node: Node, H) -> Node:
     return best if len(shape_of(best)) == 1 else node
 
 
-def rewrite(graph: Graph, m: MixtureMatch, tapped: list) -> FusedSite:
-    """Replace the mixture ``m`` with one kimi op; ``tapped``: the values aux taps read."""
+def with_replacements(m: MixtureMatch, replaced: dict[Node, Node]) -> MixtureMatch:
+    """``m`` with its sources and weights read through ``replaced`` (old -> new node)."""
+    if not replaced:
+        return m
+    return replace(m, sources=[replace(r, tensor=replaced.get(r.tensor, r.tensor))
+                               for r in m.sources],
+                   weights=tuple(replaced.get(w, w) for w in m.weights))
+
+
+class Rewritten(NamedTuple):
+    """What ``rewrite`` did: ``old``'s uses now read ``new``; ``fused`` is the kimi op."""
+
+    site: FusedSite
+    fused: Node
+    old: Node
+    new: Node
+
+
+def rewrite(graph: Graph, m: MixtureMatch, tapped: list,
+            differentiable: bool = False) -> Rewritten:
+    """Replace the mixture ``m`` with one kimi op; ``tapped``: the values aux taps read;
+    ``differentiable``: the graph is traced for AOTAutograd (casts it can differentiate)."""
     out = m.out
     src_dtype = dtype_of(m.root)
     out_dtype = dtype_of(out)
@@ -128,7 +159,7 @@ def rewrite(graph: Graph, m: MixtureMatch, tapped: list) -> FusedSite:
         out_dtype = src_dtype
     runs = m.sources
     H = m.sizes[m.axes[-1]]
-    emit = _Emitter(graph, out, [r.tensor for r in runs])
+    emit = _Emitter(graph, out, [r.tensor for r in runs], differentiable)
 
     # The weights: vectors over H (peeled to 1-D) and scalar factors.
     vecs, scalars = [], []
@@ -160,17 +191,19 @@ def rewrite(graph: Graph, m: MixtureMatch, tapped: list) -> FusedSite:
         or any(same_sum(root(runs[-1].tensor), root(v)) for v in tapped))
     if mix_form:
         mixed, src_shape, op, count = _emit_mix(emit, m, runs, vecs, H, src_dtype)
+        fused = mixed
         if widen:
-            mixed = emit(prims.convert_element_type.default, mixed, out_dtype)
+            mixed = emit.cast(mixed, out_dtype)
     else:
         mixed, src_shape, op, count = _emit_mix_list(emit, m, runs, vecs, scalars, H,
                                                      src_dtype, out_dtype)
+        fused = mixed
 
     # The mixture's axes, in the sources' order, mapped onto the replaced node's layout.
     src_axes = [a for a in m.axes if m.source_dim is None or a != f"a{m.source_dim}"]
     new = _relayout(emit, mixed, src_shape, src_axes, m.out_dims, shape_of(out), m.sizes)
     out.replace_all_uses_with(new)
-    return FusedSite(mixed.name, op, count, out.name)
+    return Rewritten(FusedSite(mixed.name, op, count, out.name), fused, out, new)
 
 
 def _emit_mix(emit: _Emitter, m: MixtureMatch, runs, vecs, H, src_dtype):
@@ -209,10 +242,10 @@ def _emit_mix_list(emit: _Emitter, m: MixtureMatch, runs, vecs, scalars, H, src_
     extra = rest[1:] + scalars
     if extra or m.coefficient != 1.0:
         if dtype_of(qk) != torch.float32:
-            qk = emit(prims.convert_element_type.default, qk, torch.float32)
+            qk = emit.cast(qk, torch.float32)
         for e in extra:
             if dtype_of(e) != torch.float32:
-                e = emit(prims.convert_element_type.default, e, torch.float32)
+                e = emit.cast(e, torch.float32)
             qk = emit(aten.mul.Tensor, qk, e if same_size(numel(e), H) else emit(
                 aten.reshape.default, e, []))
         if m.coefficient != 1.0:

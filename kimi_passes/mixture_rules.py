@@ -5,7 +5,7 @@ a rule reads its operands' values (``evaluator.value_of``), returns the node's v
 or raises ``NoMatch`` naming the failed check (``where`` names the node). Views and
 casts move axes and track exactness; mul/div/add/pow/unary ops and the reductions
 build the RMSNorm, the query dot and the softmax's parts; ``bmm``/``mm``/``addmm`` are
-the query dot or the weighted sum.
+the query dot or the weighted sum, ``mv`` the query dot (training graphs, undecomposed).
 """
 
 from __future__ import annotations
@@ -373,6 +373,26 @@ def _query_dot(ev: MixtureEvaluator, va, vb, a, b, batched: bool, where: str) ->
                    exact=False)
 
 
+def _mv(ev: MixtureEvaluator, node: Node, where: str) -> MixtureValue:
+    """keys ``[M, H]`` @ pseudo-query ``[H]`` (``matmul`` of a matrix and a vector, before
+    Inductor decomposes it: graphs traced for training)."""
+    a, v = node.args[:2]
+    mono = ev.value_of(a)
+    if mono is None or ev.value_of(v) is not None:
+        raise NoMatch(f"{where}: mv of tensors outside the region, or of two region tensors")
+    if mono.kind is not Kind.MONOMIAL or not mono.has_sources or mono.hidden_summed:
+        raise NoMatch(f"{where}: mv of {mono.kind} with {v.name}")
+    if mono.dims[-1] != ev.hidden_axis:
+        raise NoMatch(f"{where}: the contraction is over axis {mono.dims[-1]}, not the "
+                      "hidden axis")
+    if not same_size(numel(v), ev.hidden_size):
+        raise NoMatch(f"{where}: {v.name} {list(shape_of(v))} is not a vector over the "
+                      "hidden axis")
+    val = replace(mono, dims=(mono.dims[-2],), weights=mono.weights + (v,),
+                  hidden_summed=True, exact=False)
+    return ev.checked(node, val, where)
+
+
 def _table(*groups) -> dict:
     return {op: handler for ops, handler in groups for op in ops}
 
@@ -390,6 +410,7 @@ HANDLERS = _table(
     ((aten.mean.dim, aten.sum.dim_IntList, aten.amax.default), _reduce),
     (SOFTMAX_OPS, _softmax),
     ((aten.bmm.default, aten.mm.default, aten.addmm.default), _matmul),
+    ((aten.mv.default,), _mv),
     (GUARD_OPS, _guard),
     ((aten.where.self,), _where),
 )

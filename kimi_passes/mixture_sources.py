@@ -1,8 +1,8 @@
 """Splitting a recognised mixture's stacked root into the sources it stacks.
 
 The root ``R`` is split along the source axis: the pieces of a ``cat`` (a
-``bank[:, a:b]`` slice counts as ``b - a`` sources), the inputs of a lowered
-``torch.stack`` (``cat`` + ``view``), or ``R``'s own slices.
+``bank[:, a:b]`` slice counts as ``b - a`` sources), the inputs of ``torch.stack``
+(``aten.stack`` before decomposition, ``cat`` + ``view`` after), or ``R``'s own slices.
 """
 
 from __future__ import annotations
@@ -49,13 +49,21 @@ def split_sources(root: Node, source_dim: int | None) -> list[SourceRun]:
     """The sources ``root`` stacks along ``source_dim`` (None: one source, a size-1 axis)."""
     shape = shape_of(root)
     c = source_dim
+    if root.target is aten.stack.default:  # traced below autograd, not yet decomposed
+        pieces = root.args[0]
+        dim = normalize_dim(root.args[1] if len(root.args) > 1 else 0, len(shape))
+        if (c is None and len(pieces) == 1) or dim == c:
+            return [SourceRun(p, single=True) for p in pieces]
     if c is None:
         base = _base_of_size1_insert(root)
-        if base is root and not (root.target is aten.cat.default and len(root.args[0]) == 1):
+        # Empty pieces (``bank[:, :0]`` before Inductor drops them from the cat) add nothing.
+        pieces = [p for p in root.args[0] if numel(p) != 0] if (
+            root.target is aten.cat.default) else []
+        if base is root and len(pieces) != 1:
             raise NoMatch(f"root {root.name}: softmax over a size-1 axis that does not come "
                           "from stacking a single source")
         if base is root:
-            base = _base_of_size1_insert(root.args[0][0])
+            base = _base_of_size1_insert(pieces[0])
         return [SourceRun(base, single=True)]
     if root.target is aten.cat.default:
         dim = normalize_dim(root.args[1] if len(root.args) > 1 else 0, len(shape))
