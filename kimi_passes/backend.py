@@ -18,6 +18,7 @@ from kimi_passes.aux_stream import AuxStreamPass
 from kimi_passes.errors import AuxCaptureError
 from kimi_passes.fusion import AttnResFusionPass
 from kimi_passes.host_key import check_host_key
+from kimi_passes.pre_autograd import fuse_before_autograd, needs_autograd
 from kimi_passes.stream import resolve_aux_stream
 
 BACKEND_NAME = "kimi"
@@ -44,12 +45,14 @@ class KimiPassManager(CustomGraphPass):
     """Runs the kimi passes in order as one ``post_grad_custom_post_pass``.
 
     One object rather than a list: torch releases before 2.13 accept a single pass.
-    Each pass dumps its graphs under its position here (``post_grad.<i>.<Pass>``).
+    Each pass dumps its graphs under its position here (``<phase>.<i>.<Pass>``; phase
+    ``post_grad``, or ``pre_autograd`` for the manager that fuses training graphs).
     """
 
-    def __init__(self, passes, observers=()):
+    def __init__(self, passes, observers=(), phase: str = "post_grad"):
         self.passes = list(passes)
         self.observers: list[PassObserver] = list(observers)
+        self.phase = phase
 
     def observe(self, observer: PassObserver) -> PassObserver:
         """Add ``observer``; returns it."""
@@ -62,7 +65,7 @@ class KimiPassManager(CustomGraphPass):
             o.before_passes(graph)
         seconds = 0.0
         for i, p in enumerate(self.passes):
-            p(graph, index=i)
+            p(graph, index=i, phase=self.phase)
             seconds += p.last_time_s
             for o in self.observers:
                 o.after_pass(p, graph)
@@ -76,6 +79,11 @@ class KimiPassManager(CustomGraphPass):
         return next(p for p in self.passes if isinstance(p, cls))
 
 
+def _has_taps(gm: torch.fx.GraphModule) -> bool:
+    taps = (torch.ops.kimi.aux_tap, torch.ops.kimi.aux_tap.default)
+    return any(n.op == "call_function" and n.target in taps for n in gm.graph.nodes)
+
+
 def build_passes(aux_stream: str, fuse_capture: bool = True, fuse_torch_mixing: bool = True,
                  observers=()) -> KimiPassManager:
     """The pass list: AttnRes mixing fusion (``fuse_torch_mixing``), then the aux stream."""
@@ -84,12 +92,24 @@ def build_passes(aux_stream: str, fuse_capture: bool = True, fuse_torch_mixing: 
 
 
 class KimiBackend:
-    """A ``torch.compile`` backend: Inductor plus the kimi passes, options fixed at creation."""
+    """A ``torch.compile`` backend: Inductor plus the kimi passes, options fixed at creation.
+
+    Graphs without a backward run ``passes`` post-grad (mixing fusion, then the aux
+    stream). Graphs that need a backward are fused by ``pre_autograd`` before AOTAutograd
+    (pre_autograd.py: a fused forward and a fused backward) and run ``training_passes``
+    post-grad: the same aux-stream pass, no second fusion. The two post-grad managers share
+    their observers.
+    """
 
     def __init__(self, aux_stream=None, draft_config=None, fuse_capture=True,
                  fuse_torch_mixing=True, **inductor_config):
         self.aux_stream = resolve_aux_stream(aux_stream, draft_config)
         self.passes = build_passes(self.aux_stream, fuse_capture, fuse_torch_mixing)
+        self.training_passes = KimiPassManager([self.aux_pass])
+        self.training_passes.observers = self.passes.observers
+        self.pre_autograd = KimiPassManager(
+            [AttnResFusionPass(differentiable=True)], phase="pre_autograd") if (
+            fuse_torch_mixing) else None
         self.inductor_config = inductor_config
 
     @property
@@ -109,10 +129,20 @@ class KimiBackend:
             mode_patches = list_mode_options(mode) if mode else {}
         except RuntimeError as e:
             raise ValueError(f"kimi_passes: unknown torch.compile mode {mode!r} ({e})") from None
-        patches = {**mode_patches, **self.inductor_config,
-                   "post_grad_custom_post_pass": self.passes}
+        passes, functorch_patches = self.passes, {}
+        if needs_autograd(example_inputs):
+            passes = self.training_passes
+            if _has_taps(gm):
+                # The aux-stream pass makes a tap return its consumer's mixture, which the
+                # backward may also have saved. AOTAutograd chose the buffers the backward
+                # may overwrite (donated) before that rewrite: it would overwrite the tap.
+                functorch_patches["donated_buffer"] = False
+            if self.pre_autograd is not None:
+                gm = fuse_before_autograd(gm, example_inputs, self.pre_autograd)
+        patches = {**mode_patches, **self.inductor_config, "post_grad_custom_post_pass": passes}
         try:
-            return compile_fx(gm, example_inputs, config_patches=patches)
+            with torch._functorch.config.patch(functorch_patches):
+                return compile_fx(gm, example_inputs, config_patches=patches)
         except BackendCompilerFailed as e:
             # Inductor wraps pass errors when the FX cache is off; hand ours on as they are.
             if isinstance(e.inner_exception, AuxCaptureError):

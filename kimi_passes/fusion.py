@@ -78,10 +78,11 @@ from torch.fx import Graph, Node
 
 from kimi_passes.consumer import AUX_TAP
 from kimi_passes.fx_toolkit import CASTS, calls_to
+from kimi_passes.grad_anchor import keep_gradients, leaf_inputs
 from kimi_passes.inductor_pass import KimiGraphPass, logger
 from kimi_passes.mixture_axes import VIEWS
 from kimi_passes.mixture_evaluator import MixtureEvaluator
-from kimi_passes.mixture_rewrite import FusedSite, MixtureMatch, rewrite
+from kimi_passes.mixture_rewrite import FusedSite, MixtureMatch, rewrite, with_replacements
 from kimi_passes.mixture_rules import SOFTMAX_OPS
 from kimi_passes.mixture_sources import split_sources
 from kimi_passes.mixture_values import NoMatch
@@ -116,10 +117,13 @@ class AttnResFusionPass(KimiGraphPass):
 
     _instance: AttnResFusionPass | None = None
 
-    def __init__(self, debug: bool | None = None):
+    def __init__(self, debug: bool | None = None, differentiable: bool = False):
         #: None: follow $KIMI_PASSES_FUSION_DEBUG / $TORCHINDUCTOR_PATTERN_MATCH_DEBUG.
         #: Only changes logging, never the graph: not part of the cache key.
         self.debug = debug
+        #: The graph will be differentiated by AOTAutograd (``pre_autograd``): emit casts
+        #: with autograd formulas and keep the gradient of inputs a site stops reading.
+        self.differentiable = differentiable
         #: Sites fused by the last call, what they became, and the softmaxes left alone.
         self.last_fused = 0
         self.last_sites: list[FusedSite] = []
@@ -131,6 +135,9 @@ class AttnResFusionPass(KimiGraphPass):
         if cls._instance is None:
             cls._instance = cls()
         return cls._instance
+
+    def options(self) -> dict:
+        return {"differentiable": self.differentiable}
 
     def run(self, graph: Graph) -> list[str]:
         self.last_fused, self.last_sites, self.last_misses = 0, [], []
@@ -151,14 +158,32 @@ class AttnResFusionPass(KimiGraphPass):
                 taken.add(m.out)
                 matches.append(m)
         tapped = [n.args[0] for n in calls_to(graph, AUX_TAP)]
+        anchors, replaced = [], {}
         for m in matches:
+            mutation = _mutation_between(m.root, m.out)
+            if mutation is not None:
+                self.last_misses.append(NearMiss(m.softmax.name, [
+                    f"{mutation.name} ({mutation.target}) mutates a tensor between the "
+                    f"stacked sources {m.root.name} and the weighted sum {m.out.name}: the "
+                    "fused op, reading at the weighted sum, could see other values"]))
+                continue
+            leaves = leaf_inputs(m.region) if self.differentiable else set()
+            # A site whose source is an earlier site's mixture reads that site's kimi op.
+            m = with_replacements(m, replaced)
             try:
-                self.last_sites.append(rewrite(graph, m, tapped))
+                done = rewrite(graph, m, tapped, self.differentiable)
             except NoMatch as e:
                 self.last_misses.append(NearMiss(m.softmax.name, [f"rewrite: {e}"]))
+                continue
+            replaced[done.old] = done.new
+            self.last_sites.append(done.site)
+            if leaves:
+                anchors.append((done.fused, leaves))
         self.last_fused = len(self.last_sites)
         if self.last_fused:
             graph.eliminate_dead_code()
+            if self.differentiable:
+                keep_gradients(graph, anchors)
         lines = [f"AttnResFusionPass: fused {self.last_fused} AttnRes mixing site(s)" + (
             (": " + "; ".join(str(s) for s in self.last_sites)) if self.last_sites else "")]
         if self.debug if self.debug is not None else debug_enabled():
@@ -177,6 +202,18 @@ def _softmax_nodes(graph: Graph) -> list[Node]:
         and n.args[0].target is aten.exp.default
         and n.args[1].target is aten.sum.dim_IntList and n.args[1].args[0] is n.args[0]]
     return sorted(calls_to(graph, *SOFTMAX_OPS) + decomposed)  # nodes compare in graph order
+
+
+def _mutation_between(first: Node, last: Node) -> Node | None:
+    """A node strictly between ``first`` and ``last`` (graph order) that calls a mutating
+    ATen op, or None. Post-grad graphs are functional; graphs traced for training are not."""
+    n = first.next
+    while n is not last and n.op != "root":
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and (
+                n.target._schema.is_mutable):
+            return n
+        n = n.next
+    return None
 
 
 def _is_pass_through(n: Node) -> bool:
@@ -238,7 +275,8 @@ def _match(softmax: Node) -> MixtureMatch | NearMiss:
                 continue
             lg = ev.logits
             return MixtureMatch(softmax, root, out, val.dims, ev.axes, source_dim, lg.rsqrt_eps,
-                                lg.weights, lg.coefficient, ev.sizes, sources)
+                                lg.weights, lg.coefficient, ev.sizes, sources,
+                                tuple(ev.values))
         if not roots:
             miss.reasons.append(f"[{w.name}] no other operand")
     return miss

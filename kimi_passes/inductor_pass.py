@@ -1,7 +1,8 @@
 """Base class for kimi_passes' Inductor passes: one ``__call__``, a cache-safe ``uuid()``.
 
 A pass implements ``run(graph)``. ``__call__`` around it hands the graph to depyf /
-TORCH_LOGS before and after (``post_grad.<index>.<Pass>.<before|after>``), times it
+TORCH_LOGS before and after (``<phase>.<index>.<Pass>.<before|after>``, phase ``post_grad``
+or, for the fusion of training graphs, ``pre_autograd``), times it
 (``last_time_s``) and logs what ``run`` reports at INFO on logger ``kimi_passes``.
 
 ``uuid()`` hashes the source of the pass's module and of every kimi_passes module it
@@ -40,13 +41,14 @@ class KimiGraphPass(CustomGraphPass):
         """Every option that changes what the pass does; part of ``uuid()``."""
         return {}
 
-    def __call__(self, graph: torch.fx.Graph, index: int | None = None) -> None:
-        """Run the pass; ``index`` names the dumps (default: ``self.index``)."""
+    def __call__(self, graph: torch.fx.Graph, index: int | None = None,
+                 phase: str = "post_grad") -> None:
+        """Run the pass; ``index`` and ``phase`` name the dumps (default: ``self.index``)."""
         index = self.index if index is None else index
         t0 = time.perf_counter()
-        self.dump(graph, "before", index)
+        self.dump(graph, "before", index, phase)
         lines = self.run(graph)
-        self.dump(graph, "after", index)
+        self.dump(graph, "after", index, phase)
         self.last_time_s = time.perf_counter() - t0
         if lines:
             logger.info("%s (%.2f ms)", lines[0], self.last_time_s * 1e3)
@@ -61,13 +63,14 @@ class KimiGraphPass(CustomGraphPass):
         extra = json.dumps({"pass": type(self).__qualname__, **self.options()}, sort_keys=True)
         return source_hash(self.source_modules(), extra)
 
-    def dump(self, graph: torch.fx.Graph, stage: str, index: int | None = None) -> None:
-        """Hand the graph to depyf / TORCH_LOGS as ``post_grad.<index>.<Pass>.<stage>``."""
+    def dump(self, graph: torch.fx.Graph, stage: str, index: int | None = None,
+             phase: str = "post_grad") -> None:
+        """Hand the graph to depyf / TORCH_LOGS as ``<phase>.<index>.<Pass>.<stage>``."""
         gm = graph.owning_module
         if gm is None:
             return
         index = self.index if index is None else index
-        name = f"post_grad.{index}.{type(self).__name__}.{stage}"
+        name = f"{phase}.{index}.{type(self).__name__}.{stage}"
         # Looked up at call time: depyf's prepare_debug patches this attribute.
         text = torch._dynamo.utils.lazy_format_graph_code(name, gm, colored=False)
         logger.debug("%s", text)

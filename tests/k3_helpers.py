@@ -49,3 +49,10 @@ def assert_taps_close(got, want, dtype, msg=""):
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         torch.testing.assert_close(g, w, atol=tol, rtol=tol,
                                    msg=lambda m, i=i: f"{msg} tap {i}: {m}")
+
+
+def rel_err(got, want):
+    """Max abs error over the max abs of ``want`` (the absolute error where ``want`` is 0)."""
+    err = (got.double() - want.double()).abs().max().item()
+    scale = want.double().abs().max().item()
+    return err / scale if scale else err

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from k3_helpers import rel_err
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kimi_passes.graphs.k3 import K3Config, K3Model
@@ -63,13 +64,6 @@ def mix_inputs(T, H, NB, dtype, seed=0, qk_scale=2.0):
 
 def leaves(*ts):
     return [t.detach().clone().requires_grad_() for t in ts]
-
-
-def rel_err(got, want):
-    """Max abs error over the max abs of ``want`` (the absolute error where ``want`` is 0)."""
-    err = (got.double() - want.double()).abs().max().item()
-    scale = want.double().abs().max().item()
-    return err / scale if scale else err
 
 
 class _Mix64(torch.autograd.Function):

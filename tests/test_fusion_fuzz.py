@@ -10,7 +10,10 @@ prefix, in many spellings, some sites turned into near misses) are compiled twic
   (``attn_res_mix`` or ``attn_res_mix_list``) per exact site: every exact site is fused,
   no near miss is;
 - training (parameters and inputs require grad, backward of a random linear functional
-  of the outputs): the outputs and every gradient agree.
+  of the outputs): the outputs and every gradient agree; every exact site is fused before
+  AOTAutograd and no near miss is; the forward graph holds one kimi mix op and the
+  backward one kimi backward op per exact site, and neither keeps a softmax when every
+  site is exact (no duplicate plain-torch work).
 
 Tolerances (``TOL``), on ``max|kimi - inductor| / max(1, max|inductor|)`` per tensor
 (inputs and outputs are O(1), so this is relative to the magnitude without blowing up
@@ -160,6 +163,7 @@ def check_program(p: Program, mode: str) -> dict:
     rec = GraphRecorder(make_kimi_backend())
     counting = _FusionCounts()
     rec.backend.passes.observe(counting)
+    rec.backend.pre_autograd.observe(counting)
     record: dict = {"mode": mode, "expected_fused": p.exact_sites}
     if mode == "eval":
         model = model.eval().requires_grad_(False)
@@ -182,11 +186,12 @@ def check_program(p: Program, mode: str) -> dict:
             assert (g_ is None) == (w is None), f"{n}: kimi {g_ is None}, inductor {w is None}"
             if g_ is not None:
                 named.append((n, g_, w))
-    fp = rec.backend.passes.get(AttnResFusionPass)
-    # Training: the forward graph's count (the backward's is logged, not checked).
+    fp = (rec.backend.passes if mode == "eval" else rec.backend.pre_autograd).get(
+        AttnResFusionPass)
+    # Training: the fusion runs once, before AOTAutograd; the post-grad graphs are the
+    # forward and the backward.
     record["fused"] = _mix_nodes(rec) if mode == "eval" else counting.fused[0]
     record["fused_per_graph"] = counting.fused
-    # The last graph's sites and refusals (training: the backward's, which has no mixture).
     record["sites"] = [s.op for s in fp.last_sites]
     record["misses"] = sorted({str(m)[:160] for m in fp.last_misses})
     errs = {n: _rel_err(g_, w) for n, g_, w in named}
@@ -202,7 +207,27 @@ def check_program(p: Program, mode: str) -> dict:
             f"(one per exact site, none per near miss); fused {record['sites']}, "
             f"refused: {record['misses']}")
         assert counting.fused == [p.exact_sites]
+    else:
+        _check_training_graphs(rec, p, counting.fused, record)
     return record
+
+
+def _check_training_graphs(rec: GraphRecorder, p: Program, fused: list, record: dict) -> None:
+    """Every exact site is fused before AOTAutograd, no near miss is; the forward graph
+    calls one kimi mix op per exact site and the backward one kimi backward op per exact
+    site; a program with no near miss keeps no softmax (no ``exp``) in either graph."""
+    assert fused == [p.exact_sites], (
+        f"fused {fused} before AOTAutograd, expected [{p.exact_sites}]; fused "
+        f"{record['sites']}, refused: {record['misses']}")
+    assert len(rec.graphs) == 2, f"{len(rec.graphs)} graphs compiled; expected fw and bw"
+    fw, bw = (g.counts() for g in rec.graphs)
+    assert sum(fw.get(op, 0) for op in MIX_OPS) == p.exact_sites, fw
+    assert sum(bw.get(op + "_backward", 0) for op in MIX_OPS) == p.exact_sites, bw
+    if p.exact_sites == len(p.sites):
+        for name, g in zip(("forward", "backward"), rec.graphs, strict=True):
+            exps = [n.name for n in g.after.nodes if n.target in (
+                torch.ops.aten.exp.default, torch.ops.aten._softmax.default)]
+            assert not exps, f"plain-torch softmax work left in the {name} graph: {exps}"
 
 
 # --------------------------------------------------------------------------- the property
