@@ -84,21 +84,24 @@ def _may_mix(gm: GraphModule) -> bool:
                for n in gm.graph.nodes if n.op in ("call_function", "call_method"))
 
 
-def _fake_inputs(gm: GraphModule, example_inputs, fake_mode) -> list:
-    """Dynamo's fake value of each input (symbolic sizes kept); fakes made for the rest."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+def _fake_inputs(example_inputs, fake_mode) -> list:
+    """Fake inputs in ``fake_mode`` with the symbolic sizes Dynamo gave them (the way
+    AOTAutograd fakeifies them: Dynamo's symbolic context per tensor); static otherwise."""
+    context = torch._guards.TracingContext.try_get()
+    known = context.tensor_to_context if context is not None else {}
     fakes = []
-    for i, x in enumerate(example_inputs):
-        val = placeholders[i].meta.get("example_value") if i < len(placeholders) else None
-        if isinstance(x, torch.Tensor):
-            if isinstance(x, FakeTensor):
-                fakes.append(x)
-            elif isinstance(val, FakeTensor) and val.fake_mode is fake_mode:
-                fakes.append(val)
+    for x in example_inputs:
+        if isinstance(x, FakeTensor):
+            fakes.append(x if x.fake_mode is fake_mode else fake_mode.from_tensor(x))
+        elif isinstance(x, torch.Tensor):
+            sym = known.get(x) if x in known else None
+            if sym is not None:
+                fakes.append(fake_mode.from_tensor(x, symbolic_context=sym,
+                                                   source=sym.tensor_source, trace=False))
             else:
                 fakes.append(fake_mode.from_tensor(x, static_shapes=True))
         else:
-            fakes.append(val if isinstance(val, torch.SymInt) else x)
+            fakes.append(x)  # ints and Dynamo's SymInts
     return fakes
 
 
@@ -166,11 +169,8 @@ def trace_to_aten(gm: GraphModule, example_inputs) -> GraphModule:
     modified in place. Input mutations stay, as ``copy_`` at the end."""
     fake_mode = detect_fake_mode(example_inputs)
     if fake_mode is None:
-        fake_mode = detect_fake_mode([n.meta.get("example_value")
-                                      for n in gm.graph.nodes if n.op == "placeholder"])
-    if fake_mode is None:
         raise RuntimeError("no fake mode found for the graph's inputs (not a Dynamo graph?)")
-    fakes = _fake_inputs(gm, example_inputs, fake_mode)
+    fakes = _fake_inputs(example_inputs, fake_mode)
     with fake_mode, enable_python_dispatcher():
         return make_fx(functionalize(gm, remove="mutations"), pre_dispatch=False)(*fakes)
 
