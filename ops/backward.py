@@ -22,7 +22,8 @@ backward recomputes the ``[n]`` logits of a row from the sources, which it has t
 for ``<g, v_j>`` regardless. So no ``[T, n, H]`` keys and no ``[T, n]`` statistics live
 between forward and backward. The CPU path stages a chunk of rows of all sources in one
 cache-sized buffer (one read of each source from memory) and runs both passes (logits
-and ``<g, v_j>``, then ``dv`` and ``dw``) on it; the Triton kernel
+and ``<g, v_j>``, then ``dv`` and ``dw``) on it, writing each ``dv_j`` straight into its
+destination; the Triton kernel
 (``triton_backward.py``) reads each source twice. Accumulation is fp32 (fp64 for fp64
 inputs, which only the tests' gradcheck passes; the ops themselves take the forward's
 dtypes). Gradients are rounded to each input's dtype once.
@@ -60,11 +61,14 @@ def mix_backward_rows(grad, sources, q, eps, dsources, dw) -> None:
                 d.zero_()
         return
     want_dv = any(d is not None for d in dsources)
-    # Staged sources, their gradients and the grad rows: about (2n + 1) rows of H each.
-    rows = max(1, min(R, _CHUNK_BYTES // ((2 * n + 1) * H * cdt.itemsize)))
+    # Staged sources and the grad rows: about n + 1 rows of H each (+1 for a rounded dv).
+    rows = max(1, min(R, _CHUNK_BYTES // ((n + 2) * H * cdt.itemsize)))
     stage = torch.empty((rows, n, H), dtype=cdt, device=dev)
     gbuf = torch.empty((rows, H), dtype=cdt, device=dev)
-    dv_buf = torch.empty((rows, n, H), dtype=cdt, device=dev) if want_dv else None
+    # dv_j is written straight into its destination; one that is not in the compute
+    # dtype gets it through this buffer (rounded once by the copy).
+    dv_buf = torch.empty((rows, H), dtype=cdt, device=dev) if any(
+        d is not None and d.dtype != cdt for d in dsources) else None
     for r0 in range(0, R, rows):
         r1 = min(R, r0 + rows)
         C = r1 - r0
@@ -81,14 +85,17 @@ def mix_backward_rows(grad, sources, q, eps, dsources, dw) -> None:
         a = gv.sub_(g_out).mul_(p).mul_(r)  # dlogit_j * r_j
         # Pass 2: dv_j = p_j g + a_j w - c_j v_j, and dw += sum_j a_j v_j.
         if want_dv:
-            c = a * logit * r / H
-            dv = dv_buf[:C]
-            torch.mul(v, c.neg_().unsqueeze(-1), out=dv)
-            dv.addcmul_(p.unsqueeze(-1), g.unsqueeze(1))
-            dv.addcmul_(a.unsqueeze(-1), q)
+            nc = (a * logit * r).div_(-H)
             for j, d in enumerate(dsources):
-                if d is not None:
-                    d[r0:r1].copy_(dv[:, j])
+                if d is None:
+                    continue
+                direct = d.dtype == cdt
+                dv = d[r0:r1] if direct else dv_buf[:C]
+                torch.mul(v[:, j], nc[:, j:j + 1], out=dv)
+                dv.addcmul_(g, p[:, j:j + 1])
+                dv.addcmul_(a[:, j:j + 1], q)
+                if not direct:
+                    d[r0:r1].copy_(dv)
         if dw is not None:
             dw.add_(torch.mv(v.view(C * n, H).t(), a.reshape(C * n)))
 

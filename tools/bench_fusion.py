@@ -19,7 +19,8 @@ Inference (default): under ``torch.no_grad()``, outputs checked to agree first.
 ``--train``: a training step, forward plus ``torch.autograd.grad`` of a fixed linear
 functional of the output with respect to every input and parameter that requires grad
 (the ``attn-res`` model, ``site``; the K3 model is an inference model here); outputs and
-gradients are checked to agree first. Run::
+gradients of both are compared with eager first (kimi_backend must be as close as plain
+Inductor). Run::
 
     python tools/bench_fusion.py                 # every model, fp32, 2 threads
     python tools/bench_fusion.py --model k3 --tokens 512 --threads 1
@@ -105,8 +106,8 @@ def rel_err(got, want) -> float:
     if got is None or want is None:
         assert got is None and want is None, "a gradient is None on one side only"
         return 0.0
-    scale = float(want.double().abs().max()) or 1.0
-    return float((got.double() - want.double()).abs().max()) / scale
+    got, want = got.detach().double(), want.detach().double()
+    return float((got - want).abs().max()) / (float(want.abs().max()) or 1.0)
 
 
 def make_step(compiled, model, inputs, train: bool):
@@ -138,10 +139,14 @@ def run(name, build, args) -> None:
     kimi_fn = make_step(torch.compile(model, backend=kimi), model, inputs, args.train)
     ref, got = plain_fn(), kimi_fn()  # compile both, check they agree
     if args.train:
-        worst = max(rel_err(a, b) for a, b in zip((got[0], *got[1]), (ref[0], *ref[1]),
-                                                    strict=True))
-        print(f"  outputs and gradients: max |kimi - plain| / max |plain| = {worst:.1e}")
-        assert worst < 1e-3, worst  # fp32 noise: plain Inductor vs eager is 2e-4 on attn-res
+        # Against eager: kimi_backend must be as close to it as plain Inductor is (fp32
+        # rounding through a deep model reaches 1e-4..1e-3 of the largest gradient).
+        eager = make_step(model, model, inputs, True)()
+        kimi_err, plain_err = (max(rel_err(a, b) for a, b in zip(
+            (x[0], *x[1]), (eager[0], *eager[1]), strict=True)) for x in (got, ref))
+        print(f"  outputs and gradients vs eager (max |diff| / max |eager|): kimi_backend "
+              f"{kimi_err:.1e}, plain Inductor {plain_err:.1e}")
+        assert kimi_err <= 2 * plain_err + 1e-5, (kimi_err, plain_err)
         fusion = kimi.pre_autograd.get(AttnResFusionPass)
     else:
         torch.testing.assert_close(first_tensor(got), first_tensor(ref), atol=2e-3, rtol=2e-3)
