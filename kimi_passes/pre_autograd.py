@@ -79,9 +79,10 @@ def untraceable_reason(gm: GraphModule) -> str | None:
 
 
 def _may_mix(gm: GraphModule) -> bool:
-    """Does ``gm`` call anything softmax-like (a possible mixing site)?"""
+    """Does ``gm`` (or a subgraph of it) call anything softmax-like (a possible site)?"""
     return any("softmax" in str(n.target) or "exp" == getattr(n.target, "__name__", n.target)
-               for n in gm.graph.nodes if n.op in ("call_function", "call_method"))
+               for m in gm.modules() if isinstance(m, GraphModule)
+               for n in m.graph.nodes if n.op in ("call_function", "call_method"))
 
 
 def _fake_inputs(example_inputs, fake_mode) -> list:
@@ -191,10 +192,10 @@ def fuse_before_autograd(gm: GraphModule, example_inputs, manager) -> GraphModul
     if reason is not None:
         # Only graphs that may hold a mixing site warn; the rest lose nothing.
         log = logger.warning if _may_mix(gm) else logger.info
-        log("kimi_passes: AttnRes mixing in this training graph is left unfused "
-                       "(%s). Its forward and backward are plain Inductor's. To fuse it, keep "
-                       "that construct out of the compiled function; to silence this, compile "
-                       "with fuse_torch_mixing=False.", reason)
+        log("kimi_passes: AttnRes mixing in this training graph is left unfused (%s). Its "
+            "forward and backward are plain Inductor's. To fuse it, keep that construct out "
+            "of the compiled function; to silence this, compile with fuse_torch_mixing=False.",
+            reason)
         return gm
     out_of_place(traced.graph)
     differentiable_copies(traced.graph)

@@ -190,6 +190,27 @@ def test_grad_mode_change_is_refused_loudly(caplog):
         assert rel_err(g, r) < 1e-6
 
 
+def test_higher_order_op_is_refused_loudly(caplog):
+    """Activation checkpointing is a higher-order op in Dynamo's graph: refused, unfused."""
+    from torch.utils.checkpoint import checkpoint
+
+    def fn(prefix, bank, nw, qk):
+        return checkpoint(site, prefix, bank, nw, qk, use_reentrant=False)
+
+    inputs = _site_inputs()
+    rec = GraphRecorder(make_kimi_backend())
+    with caplog.at_level(logging.WARNING, logger="kimi_passes"):
+        out, grads = _grads(fn, inputs, rec)
+    assert any("left unfused" in r.message and "higher-order op" in r.message
+               for r in caplog.records), caplog.text
+    assert rec.backend.pre_autograd.get(AttnResFusionPass).last_fused == 0
+    torch._dynamo.reset()
+    ref, ref_grads = _grads(fn, inputs, "inductor")
+    assert rel_err(out, ref) < 1e-6
+    for g, r in zip(grads, ref_grads, strict=True):
+        assert rel_err(g, r) < 1e-6
+
+
 def test_in_place_update_after_stacking_is_not_seen_by_the_fused_op():
     """The stack copies the sources; the model then updates one in place before the
     weighted sum. The traced graph is functional, so the fused op reads the stacked value."""

@@ -147,6 +147,7 @@ def summarize_fusion(logs: list[Path]) -> tuple[str, bool]:
     misses = collections.Counter(s["miss"] for s in sites if s["miss"])
     exact = sum(1 for s in sites if not s["miss"])
     ok_evals = [r for r in evals if r["outcome"] == "ok"]
+    ok_trains = [r for r in rows if r["mode"] == "train" and r["outcome"] == "ok"]
     fused = sum(r["fused"] for r in ok_evals)
     refused = sum(len(r["program"]["sites"]) - r["fused"] for r in ok_evals)
     outcomes = collections.Counter((r["mode"], r["outcome"]) for r in rows)
@@ -161,7 +162,9 @@ def summarize_fusion(logs: list[Path]) -> tuple[str, bool]:
         f"{len({r['describe'] for r in evals})}",
         f"outcomes: {dict(sorted((f'{m} {o}', n) for (m, o), n in outcomes.items()))}",
         f"sites: {len(sites)} ({exact} exact, {len(sites) - exact} near misses); in passing "
-        f"eval programs {fused} fused, {refused} left alone",
+        f"eval programs {fused} fused, {refused} left alone; in passing training programs "
+        f"{sum(r['fused'] for r in ok_trains)} fused before AOTAutograd, "
+        f"{sum(len(r['program']['sites']) - r['fused'] for r in ok_trains)} left alone",
         f"near misses: {dict(sorted(misses.items()))}",
         f"layouts: {dict(collections.Counter(r['program']['layout'] for r in evals))}; "
         f"bf16 {sum(1 for r in evals if r['program']['dtype'] == 'bfloat16')}",
