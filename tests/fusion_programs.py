@@ -144,6 +144,8 @@ def programs(draw, miss_rate: float = 0.4):
             miss = "other_values"
         if miss == "softmax_other_axis" and T == 1:  # over one token: p = 1, as n = 1 above
             miss = "projected_values"
+        if miss == "per_token_query" and T * B == 1:  # one token: its query is the query
+            miss = "projected_values"
         sites.append(Site(
             n=n, gather=rng.choice(("stack", "cat")) if layout != "bank" else "bank",
             bank_start=start, norm=rng.choice(NORMS), weight=rng.choice(WEIGHTS),
