@@ -159,8 +159,9 @@ class AttnResFusionPass(KimiGraphPass):
                 matches.append(m)
         tapped = [n.args[0] for n in calls_to(graph, AUX_TAP)]
         anchors, replaced = [], {}
+        mutating = _mutating_nodes(graph)
         for m in matches:
-            mutation = _mutation_between(m.root, m.out)
+            mutation = next((x for x in mutating if m.root < x < m.out), None)
             if mutation is not None:
                 self.last_misses.append(NearMiss(m.softmax.name, [
                     f"{mutation.name} ({mutation.target}) mutates a tensor between the "
@@ -204,16 +205,11 @@ def _softmax_nodes(graph: Graph) -> list[Node]:
     return sorted(calls_to(graph, *SOFTMAX_OPS) + decomposed)  # nodes compare in graph order
 
 
-def _mutation_between(first: Node, last: Node) -> Node | None:
-    """A node strictly between ``first`` and ``last`` (graph order) that calls a mutating
-    ATen op, or None. Post-grad graphs are functional; graphs traced for training are not."""
-    n = first.next
-    while n is not last and n.op != "root":
-        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and (
-                n.target._schema.is_mutable):
-            return n
-        n = n.next
-    return None
+def _mutating_nodes(graph: Graph) -> list[Node]:
+    """Calls of mutating ATen ops, in graph order. Post-grad graphs have none inside their
+    mixing sites (functional); a graph traced for training may have some."""
+    return [n for n in graph.nodes if n.op == "call_function" and isinstance(
+        n.target, torch._ops.OpOverload) and n.target._schema.is_mutable]
 
 
 def _is_pass_through(n: Node) -> bool:
