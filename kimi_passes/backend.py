@@ -15,8 +15,10 @@ from torch._dynamo.exc import BackendCompilerFailed
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from kimi_passes.aux_stream import AuxStreamPass
+from kimi_passes.consumer import AUX_TAP
 from kimi_passes.errors import AuxCaptureError
 from kimi_passes.fusion import AttnResFusionPass
+from kimi_passes.fx_toolkit import calls_to
 from kimi_passes.host_key import check_host_key
 from kimi_passes.pre_autograd import fuse_before_autograd, needs_autograd
 from kimi_passes.stream import resolve_aux_stream
@@ -80,8 +82,8 @@ class KimiPassManager(CustomGraphPass):
 
 
 def _has_taps(gm: torch.fx.GraphModule) -> bool:
-    taps = (torch.ops.kimi.aux_tap, torch.ops.kimi.aux_tap.default)
-    return any(n.op == "call_function" and n.target in taps for n in gm.graph.nodes)
+    # Dynamo records the op packet (``torch.ops.kimi.aux_tap(...)``), ATen graphs .default.
+    return bool(calls_to(gm.graph, AUX_TAP, torch.ops.kimi.aux_tap))
 
 
 def build_passes(aux_stream: str, fuse_capture: bool = True, fuse_torch_mixing: bool = True,

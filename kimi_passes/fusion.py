@@ -159,7 +159,7 @@ class AttnResFusionPass(KimiGraphPass):
                 matches.append(m)
         tapped = [n.args[0] for n in calls_to(graph, AUX_TAP)]
         anchors, replaced = [], {}
-        mutating = _mutating_nodes(graph)
+        mutating = _mutating_nodes(graph) if matches else []
         for m in matches:
             mutation = next((x for x in mutating if m.root < x < m.out), None)
             if mutation is not None:

@@ -22,13 +22,16 @@ from kimi_passes.inductor_pass import logger
 aten = torch.ops.aten
 kimi = torch.ops.kimi
 
+#: Node meta key on graph inputs: does the input require grad (set by ``pre_autograd``;
+#: fake values traced below autograd do not keep the flag).
+REQUIRES_GRAD = "requires_grad"
 #: The fused ops and the position of their pseudo-query argument.
 _QUERY_ARG = {kimi.attn_res_mix.default: 3, kimi.attn_res_mix_list.default: 2}
 
 
 def requires_grad(node: Node) -> bool:
-    """Set on graph inputs by ``pre_autograd.mark_requires_grad``; False elsewhere."""
-    return bool(node.meta.get("requires_grad"))
+    """``REQUIRES_GRAD`` of a graph input; False where it is not set."""
+    return bool(node.meta.get(REQUIRES_GRAD))
 
 
 def leaf_inputs(region) -> set[Node]:
@@ -47,13 +50,12 @@ def leaf_inputs(region) -> set[Node]:
     return found
 
 
-def keep_gradients(graph: Graph, sites: list[tuple[Node, set[Node]]]) -> list[str]:
+def keep_gradients(graph: Graph, sites: list[tuple[Node, set[Node]]]) -> None:
     """Anchor each input that lost every reader onto the first fused op whose site read it.
 
     ``sites``: (fused op node, ``leaf_inputs`` of its replaced region). Call after dead-code
-    elimination. Returns the names of the anchored inputs.
+    elimination.
     """
-    anchored = []
     for x in sorted({x for _, xs in sites for x in xs if not x.users}):
         node = next(n for n, xs in sites if x in xs)
         i = _QUERY_ARG.get(node.target)
@@ -69,5 +71,3 @@ def keep_gradients(graph: Graph, sites: list[tuple[Node, set[Node]]]) -> list[st
             zero = call_function(graph, aten._to_copy.default, (zero,),
                                  {"dtype": dtype_of(qk)}, before=node)
         node.update_arg(i, call_function(graph, aten.add.Tensor, (qk, zero), before=node))
-        anchored.append(x.name)
-    return anchored

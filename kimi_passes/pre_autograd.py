@@ -47,6 +47,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from kimi_passes.fusion import AttnResFusionPass
 from kimi_passes.fx_toolkit import call_function
+from kimi_passes.grad_anchor import REQUIRES_GRAD
 from kimi_passes.inductor_pass import logger
 
 aten = torch.ops.aten
@@ -106,11 +107,10 @@ def _fake_inputs(example_inputs, fake_mode) -> list:
     return fakes
 
 
-def out_of_place(graph: torch.fx.Graph) -> int:
+def out_of_place(graph: torch.fx.Graph) -> None:
     """Rewrite in-place ops on intermediates nothing else reads (``add_`` in ``F.rms_norm``'s
     decomposition) as their out-of-place forms, so the fusion pass sees the functional ops
-    it reads in post-grad graphs. Other mutations stay. Returns how many were rewritten."""
-    count = 0
+    it reads in post-grad graphs. Other mutations stay."""
     for node in list(graph.nodes):
         t = node.target
         if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
@@ -126,16 +126,13 @@ def out_of_place(graph: torch.fx.Graph) -> int:
         if functional is None:
             continue
         node.target = functional
-        count += 1
-    return count
 
 
-def differentiable_copies(graph: torch.fx.Graph) -> int:
+def differentiable_copies(graph: torch.fx.Graph) -> None:
     """Replace functional ``aten.copy(dst, src)`` (no derivative) with what it computes:
     ``src`` itself when shape and dtype agree (so the tap and the fused op after an
     in-place update read one node), else ``src`` broadcast to ``dst``'s shape and cast to
-    its dtype. Returns how many."""
-    count = 0
+    its dtype."""
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not aten.copy.default:
             continue
@@ -150,16 +147,14 @@ def differentiable_copies(graph: torch.fx.Graph) -> int:
                                 before=node)
         node.replace_all_uses_with(new)
         graph.erase_node(node)
-        count += 1
-    return count
 
 
 def mark_requires_grad(gm: GraphModule, example_inputs) -> None:
-    """Record on each input node whether its tensor requires grad (``grad_anchor`` reads it:
-    the trace's fake values do not keep the flag)."""
+    """Set ``grad_anchor.REQUIRES_GRAD`` on each input node (the trace's fake values do not
+    keep the flag)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, x in zip(placeholders, example_inputs, strict=False):
-        node.meta["requires_grad"] = isinstance(x, torch.Tensor) and x.requires_grad
+        node.meta[REQUIRES_GRAD] = isinstance(x, torch.Tensor) and x.requires_grad
 
 
 def trace_to_aten(gm: GraphModule, example_inputs) -> GraphModule:
