@@ -45,7 +45,7 @@ from torch import nn
 from kimi_passes.errors import AuxCaptureError
 from kimi_passes.ops.conventions import cdiv
 from kimi_passes.ops.differentiable import attn_res_differentiable
-from kimi_passes.tap import aux_tap
+from kimi_passes.taps.marker import aux_tap
 
 
 @dataclass(frozen=True)

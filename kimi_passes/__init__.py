@@ -6,15 +6,25 @@ compiles a K3 graph so that every ``aux_tap`` reads the pre-norm AttnRes
 mixture its consumer layer reads (see ``AuxStreamPass``).
 """
 
-from kimi_passes import (
-    layout,  # noqa: F401  (first: refuses an unmapped source folder)
-    ops,  # noqa: F401  (registers torch.ops.kimi.*)
+import sys
+
+from kimi_passes import layout
+
+# First: ops/ and graphs/ must come from this package's own tree (layout.py says why).
+layout.map_checkout(sys.modules[__name__])
+layout.guard(sys.modules[__name__])
+layout.check(sys.modules[__name__])
+
+from kimi_passes import ops  # noqa: E402,F401  (registers torch.ops.kimi.*)
+from kimi_passes.backend import (  # noqa: E402
+    KimiBackend,
+    kimi_backend,
+    make_kimi_backend,
+    register,
 )
-from kimi_passes.aux_stream import AuxStreamPass
-from kimi_passes.backend import KimiBackend, kimi_backend, make_kimi_backend, register
-from kimi_passes.errors import AuxCaptureError
-from kimi_passes.graph_text import graph_text
-from kimi_passes.tap import aux_tap
+from kimi_passes.debug.graph_text import graph_text  # noqa: E402
+from kimi_passes.errors import AuxCaptureError  # noqa: E402
+from kimi_passes.taps import AuxStreamPass, aux_tap  # noqa: E402
 
 register()
 

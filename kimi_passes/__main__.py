@@ -181,9 +181,9 @@ def _run(args, cfg, stages) -> int:
 
     from kimi_passes import AuxCaptureError, make_kimi_backend
     from kimi_passes.debug import dump, pass_dumps
-    from kimi_passes.graph_text import graph_dot
+    from kimi_passes.debug.graph_text import graph_dot
+    from kimi_passes.debug.recording import GraphRecorder
     from kimi_passes.graphs import K3Model
-    from kimi_passes.recording import GraphRecorder
 
     tol = TOLERANCE[args.dtype]
     L, S = cfg.num_layers, cfg.attn_res_block_size

@@ -12,73 +12,17 @@ from __future__ import annotations
 
 import torch
 from torch._dynamo.exc import BackendCompilerFailed
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from kimi_passes.aux_stream import AuxStreamPass
-from kimi_passes.consumer import AUX_TAP
 from kimi_passes.errors import AuxCaptureError
 from kimi_passes.fusion import AttnResFusionPass
-from kimi_passes.fx_toolkit import calls_to
-from kimi_passes.host_key import check_host_key
-from kimi_passes.pre_autograd import fuse_before_autograd, needs_autograd
-from kimi_passes.stream import resolve_aux_stream
+from kimi_passes.passes.fx_toolkit import calls_to
+from kimi_passes.passes.manager import KimiPassManager
+from kimi_passes.taps.aux_stream import AuxStreamPass
+from kimi_passes.taps.consumer import AUX_TAP
+from kimi_passes.taps.stream import resolve_aux_stream
+from kimi_passes.training.pre_autograd import fuse_before_autograd, needs_autograd
 
 BACKEND_NAME = "kimi"
-
-
-class PassObserver:
-    """Watches a ``KimiPassManager`` run (recording goldens, timing benchmarks).
-
-    Hand one to ``KimiPassManager(passes, observers=[...])`` or ``manager.observe(o)``.
-    Every hook is optional; none may change the graph (they are not part of ``uuid()``).
-    """
-
-    def before_passes(self, graph: torch.fx.Graph) -> None:
-        """The post-grad graph, before the first pass."""
-
-    def after_pass(self, graph_pass, graph: torch.fx.Graph) -> None:
-        """``graph_pass`` has run (its ``last_time_s`` and ``last_*`` results are set)."""
-
-    def after_passes(self, graph: torch.fx.Graph, seconds: float) -> None:
-        """Every pass has run; ``seconds``: the passes' own time, observers excluded."""
-
-
-class KimiPassManager(CustomGraphPass):
-    """Runs the kimi passes in order as one ``post_grad_custom_post_pass``.
-
-    One object rather than a list: torch releases before 2.13 accept a single pass.
-    Each pass dumps its graphs under its position here (``<phase>.<i>.<Pass>``; phase
-    ``post_grad``, or ``pre_autograd`` for the manager that fuses training graphs).
-    """
-
-    def __init__(self, passes, observers=(), phase: str = "post_grad"):
-        self.passes = list(passes)
-        self.observers: list[PassObserver] = list(observers)
-        self.phase = phase
-
-    def observe(self, observer: PassObserver) -> PassObserver:
-        """Add ``observer``; returns it."""
-        self.observers.append(observer)
-        return observer
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        check_host_key(self)
-        for o in self.observers:
-            o.before_passes(graph)
-        seconds = 0.0
-        for i, p in enumerate(self.passes):
-            p(graph, index=i, phase=self.phase)
-            seconds += p.last_time_s
-            for o in self.observers:
-                o.after_pass(p, graph)
-        for o in self.observers:
-            o.after_passes(graph, seconds)
-
-    def uuid(self) -> str:
-        return ":".join(p.uuid() for p in self.passes)
-
-    def get(self, cls):
-        return next(p for p in self.passes if isinstance(p, cls))
 
 
 def _has_taps(gm: torch.fx.GraphModule) -> bool:
@@ -98,7 +42,7 @@ class KimiBackend:
 
     Graphs without a backward run ``passes`` post-grad (mixing fusion, then the aux
     stream). Graphs that need a backward are fused by ``pre_autograd`` before AOTAutograd
-    (pre_autograd.py: a fused forward and a fused backward) and run ``training_passes``
+    (``kimi_passes.training``: a fused forward and a fused backward) and run ``training_passes``
     post-grad: the same aux-stream pass, no second fusion. The two post-grad managers share
     their observers.
     """

@@ -1,20 +1,93 @@
-"""Refuse to import from a source folder where ``ops/`` and ``graphs/`` are not mapped.
+"""Every ``kimi_passes`` module comes from the tree ``kimi_passes`` itself came from.
 
-``kimi_passes.ops`` and ``kimi_passes.graphs`` live in the checkout's top-level ``ops/`` and
-``graphs/`` folders and exist only through the installed package mapping (setuptools
-``package-dir``). A checkout's root on ``sys.path`` without an editable install (running
-from the root after ``pip install .``, or with no install at all) would otherwise fail with
-a misleading circular-import message.
+``ops/`` and ``graphs/`` are top-level folders of the checkout that setuptools maps into the
+package (``package-dir``): a wheel puts them inside ``kimi_passes/``; an editable install
+maps them with an import finder of its own, which knows one checkout only and answers for
+any module it can find there. With checkout A installed editable, code run from checkout B
+(B's root first on ``sys.path``, as ``python -m`` and ``python -c`` put it) used to import
+``kimi_passes`` from B and ``kimi_passes.ops`` (or any module B lacks) from A, with no error.
+
+So, when ``kimi_passes`` is imported:
+
+- from a source checkout (no ``ops/`` inside the package, ``ops/`` and ``graphs/`` beside
+  it), the checkout's root joins the package's search path after the package's own folder,
+  so ``kimi_passes.ops`` / ``kimi_passes.graphs`` resolve in that same checkout, installed
+  or not (``map_checkout``);
+- a finder ahead of every other resolves the modules of ``kimi_passes``, ``.ops`` and
+  ``.graphs`` in their own packages' folders only; a module missing there is a
+  ``ModuleNotFoundError`` naming the folder, never another tree's copy (``guard``);
+- ``ops`` and ``graphs`` must then be found, else an ``ImportError`` says how to install
+  (``check``).
 """
 
-import importlib.util
+from __future__ import annotations
 
-for _sub in ("ops", "graphs"):
-    if importlib.util.find_spec(f"kimi_passes.{_sub}") is None:
-        _pkg = importlib.util.find_spec("kimi_passes")
-        _where = list(_pkg.submodule_search_locations or ()) if _pkg else []
-        raise ImportError(
-            f"kimi_passes.{_sub} cannot be found: kimi_passes was imported from the source "
-            f"folder {_where}, where ops/ and graphs/ are not mapped into the package. "
-            "Install the checkout with `pip install -e .`, or run from another directory "
-            "when it is installed with `pip install .`.")
+import importlib.util
+import sys
+from importlib.machinery import PathFinder
+from pathlib import Path
+
+#: The subpackages that live in top-level folders of the checkout.
+MAPPED = ("ops", "graphs")
+
+
+def map_checkout(package) -> Path | None:
+    """Add the checkout root to ``package.__path__`` when ``package`` is a source folder.
+
+    Returns the root it added, or None (a wheel, or a copy that holds ``ops/`` inside).
+    """
+    here = Path(package.__file__).resolve().parent
+    root = here.parent
+    if (here / MAPPED[0]).is_dir():
+        return None
+    if not all((root / sub / "__init__.py").is_file() for sub in MAPPED):
+        return None
+    if str(root) not in package.__path__:
+        package.__path__.append(str(root))
+    return root
+
+
+class OwnTreeFinder:
+    """Finds the direct submodules of ``packages`` in those packages' own folders only.
+
+    Put first on ``sys.meta_path``: other finders (an editable install's) are never asked
+    for these names, so a module this tree lacks cannot come from another tree.
+    """
+
+    def __init__(self, packages: tuple[str, ...]):
+        self.packages = packages
+
+    def find_spec(self, fullname: str, path=None, target=None):
+        parent_name = fullname.rpartition(".")[0]
+        parent = sys.modules.get(parent_name)
+        if parent_name not in self.packages or parent is None:
+            return None
+        spec = PathFinder.find_spec(fullname, list(parent.__path__))
+        if spec is None:
+            raise ModuleNotFoundError(
+                f"No module named {fullname!r} in {list(parent.__path__)} (the tree "
+                f"{self.packages[0]} was imported from)", name=fullname)
+        return spec
+
+
+def guard(package) -> None:
+    """Install ``OwnTreeFinder`` for ``package`` and its mapped subpackages (once)."""
+    names = (package.__name__, *(f"{package.__name__}.{sub}" for sub in MAPPED))
+    if not any(isinstance(f, OwnTreeFinder) and f.packages == names for f in sys.meta_path):
+        sys.meta_path.insert(0, OwnTreeFinder(names))
+
+
+def check(package) -> None:
+    """Raise ``ImportError`` naming the fix unless every mapped subpackage can be found."""
+    here = Path(package.__file__).resolve().parent
+    for sub in MAPPED:
+        name = f"{package.__name__}.{sub}"
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            raise ImportError(
+                f"{name} cannot be found: {package.__name__} was imported from {here}, with no "
+                f"{sub}/ inside it or beside it. Install the checkout (`pip install -e .`), or "
+                "run from a checkout that has ops/ and graphs/ next to kimi_passes/.")

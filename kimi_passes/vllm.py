@@ -37,10 +37,10 @@ except ImportError:  # older vLLM
 
 import torch
 
-from kimi_passes.aux_stream import AuxStreamPass
 from kimi_passes.backend import KimiPassManager, build_passes
 from kimi_passes.errors import AuxCaptureError
-from kimi_passes.stream import resolve_aux_stream
+from kimi_passes.taps.aux_stream import AuxStreamPass
+from kimi_passes.taps.stream import resolve_aux_stream
 
 #: The key vLLM reads the user's post-grad pass from.
 PASS_KEY = "post_grad_custom_post_pass"

@@ -35,7 +35,7 @@ import torch
 
 from . import library as _library  # noqa: F401  (kimi::attn_res_mix, before its autograd)
 from .mix_list import validate_mix_list
-from .validate import AttnResArgumentError, validate_mix
+from .validate import check_grad, validate_mix
 
 # Rows per chunk: the chunk's staged sources plus their gradients are about this many bytes.
 _CHUNK_BYTES = 8 << 20
@@ -140,16 +140,6 @@ def attn_res_mix_list_backward_torch(grad, sources, norm_weight, qk_weight, eps,
 
 def _or_empty(t, like):
     return like.new_empty((0,)) if t is None else t
-
-
-def check_grad(op: str, grad, like) -> None:
-    if grad.shape != like.shape or grad.device != like.device:
-        raise AttnResArgumentError(
-            f"kimi {op}: grad has shape {tuple(grad.shape)} on {grad.device} but the forward "
-            f"output has shape {tuple(like.shape)} on {like.device}; pass dL/d(output)")
-    if grad.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise AttnResArgumentError(
-            f"kimi {op}: grad dtype {grad.dtype} is not one of float32, bfloat16, float16")
 
 
 # --------------------------------------------------------------------------- the ops

@@ -27,8 +27,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from .backward import check_grad
-from .validate import AttnResArgumentError, validate_mix
+from .validate import AttnResArgumentError, check_grad, validate_mix
 
 INTERPRETED = not isinstance(tl.sum, JITFunction)
 

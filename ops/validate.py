@@ -111,3 +111,14 @@ def validate_tap(x: torch.Tensor, capture_id: int) -> None:
         raise AttnResArgumentError(
             "kimi aux_tap: x must be a hidden-state tensor [..., H], got a 0-D tensor"
         )
+
+
+def check_grad(op: str, grad, like) -> None:
+    """``grad`` (dL/d(output) of op ``op``) must match the forward output ``like``."""
+    if grad.shape != like.shape or grad.device != like.device:
+        raise AttnResArgumentError(
+            f"kimi {op}: grad has shape {tuple(grad.shape)} on {grad.device} but the forward "
+            f"output has shape {tuple(like.shape)} on {like.device}; pass dL/d(output)")
+    if grad.dtype not in SUPPORTED_DTYPES:
+        raise AttnResArgumentError(
+            f"kimi {op}: grad dtype {grad.dtype} is not one of float32, bfloat16, float16")

@@ -25,10 +25,10 @@ import sys
 
 import pytest
 
-from kimi_passes import cache_key
-from kimi_passes.aux_stream import AuxStreamPass
 from kimi_passes.backend import build_passes
 from kimi_passes.fusion import AttnResFusionPass
+from kimi_passes.passes import cache_key
+from kimi_passes.taps.aux_stream import AuxStreamPass
 
 SCRIPT = r"""
 import json, sys
@@ -142,7 +142,7 @@ def source_copies(tmp_path, monkeypatch):
     return locate
 
 
-@pytest.mark.parametrize("edited", ["kimi_passes.consumer", "kimi_passes.fx_toolkit"])
+@pytest.mark.parametrize("edited", ["kimi_passes.taps.consumer", "kimi_passes.passes.fx_toolkit"])
 @pytest.mark.parametrize("which", sorted(PASSES))
 def test_an_edit_to_a_dependency_changes_the_key(source_copies, which, edited):
     p = PASSES[which]()
@@ -158,18 +158,18 @@ def test_an_edit_elsewhere_keeps_the_key(source_copies, which):
     """The key follows imports: a module no pass imports (the depyf helper) is not in it."""
     p = PASSES[which]()
     before = p.uuid()
-    path = source_copies("kimi_passes.debug")
+    path = source_copies("kimi_passes.debug.depyf_dump")
     path.write_text(path.read_text() + "\n# an edit\n")
     assert p.uuid() == before
 
 
 def test_the_key_names_the_modules_a_rewrite_runs():
     aux, fusion = AuxStreamPass().source_modules(), AttnResFusionPass().source_modules()
-    for needed in ("kimi_passes.consumer", "kimi_passes.fx_toolkit", "kimi_passes.inductor_pass",
-                   "kimi_passes.ops.library"):
+    for needed in ("kimi_passes.taps.consumer", "kimi_passes.passes.fx_toolkit",
+                   "kimi_passes.passes.base", "kimi_passes.ops.library"):
         assert needed in aux and needed in fusion, needed
-    assert {"kimi_passes.mixture_evaluator", "kimi_passes.mixture_rewrite"} <= set(fusion)
-    assert "kimi_passes.aux_stream" in aux and "kimi_passes.fusion" not in aux
+    assert {"kimi_passes.fusion.evaluator", "kimi_passes.fusion.rewrite"} <= set(fusion)
+    assert "kimi_passes.taps.aux_stream" in aux and "kimi_passes.fusion" not in aux
 
 
 def test_options_and_pass_name_are_in_the_key():

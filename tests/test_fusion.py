@@ -17,10 +17,10 @@ from torch import nn
 from torch._inductor import config as inductor_config
 
 from kimi_passes import aux_tap, make_kimi_backend
+from kimi_passes.debug.recording import GraphRecorder
 from kimi_passes.fusion import DEBUG_ENV, AttnResFusionPass
 from kimi_passes.graphs.k3 import K3Config, K3Model, attn_res_torch
 from kimi_passes.ops import AttnResArgumentError
-from kimi_passes.recording import GraphRecorder
 
 OPS = torch.ops.kimi
 aten = torch.ops.aten

@@ -70,9 +70,9 @@ from hypothesis import HealthCheck, Phase, example, given, seed, settings
 from torch._inductor import config as inductor_config
 
 from kimi_passes import make_kimi_backend
-from kimi_passes.backend import PassObserver
+from kimi_passes.debug.recording import GraphRecorder
 from kimi_passes.fusion import AttnResFusionPass
-from kimi_passes.recording import GraphRecorder
+from kimi_passes.passes.manager import PassObserver
 
 PROFILE = os.environ.get("KIMI_PASSES_FUSION_FUZZ_PROFILE", "ci")
 SEED = int(os.environ.get("KIMI_PASSES_FUSION_FUZZ_SEED", "20261201"))

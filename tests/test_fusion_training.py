@@ -1,6 +1,6 @@
 """AttnRes mixing fused in training graphs: a fused forward and a fused backward.
 
-A graph that needs a backward is fused before AOTAutograd (``kimi_passes.pre_autograd``):
+A graph that needs a backward is fused before AOTAutograd (``kimi_passes.training.pre_autograd``):
 the forward graph calls ``kimi.attn_res_mix`` / ``attn_res_mix_list`` and the backward
 graph their backward ops, with no plain-torch mixture or its derivative left in either;
 outputs and gradients equal plain Inductor's. Constructs that make tracing below
@@ -19,9 +19,9 @@ import torch
 from k3_helpers import rel_err
 
 from kimi_passes import make_kimi_backend
+from kimi_passes.debug.recording import GraphRecorder
 from kimi_passes.fusion import AttnResFusionPass
 from kimi_passes.graphs.k3 import K3Config, K3Model, attn_res_torch
-from kimi_passes.recording import GraphRecorder
 
 aten = torch.ops.aten
 kimi = torch.ops.kimi

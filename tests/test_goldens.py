@@ -28,9 +28,9 @@ from torch._dynamo.exc import BackendCompilerFailed
 
 import kimi_passes.graphs
 from kimi_passes import AuxCaptureError, graph_text
-from kimi_passes.graph_text import KIMI_OPS, MIXTURE_OPS, kimi_op_counts
+from kimi_passes.debug.graph_text import KIMI_OPS, MIXTURE_OPS, kimi_op_counts
+from kimi_passes.debug.recording import GraphRecorder
 from kimi_passes.graphs import K3Config, K3Model
-from kimi_passes.recording import GraphRecorder
 
 GOLDEN_DIR = Path(kimi_passes.graphs.__file__).resolve().parent / "golden"
 FAST = {"fallback_by_default": True}

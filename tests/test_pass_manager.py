@@ -11,8 +11,9 @@ import logging
 import pytest
 import torch
 
-from kimi_passes.backend import KimiPassManager, PassObserver, build_passes
-from kimi_passes.inductor_pass import KimiGraphPass
+from kimi_passes.backend import build_passes
+from kimi_passes.passes.base import KimiGraphPass
+from kimi_passes.passes.manager import KimiPassManager, PassObserver
 
 
 @pytest.fixture

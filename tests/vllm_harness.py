@@ -161,7 +161,7 @@ def callable_route_module(stream: str, unguarded: bool = False) -> str:
     import types
 
     from kimi_passes import AuxStreamPass
-    from kimi_passes.stream import ENV_VAR, resolve_aux_stream
+    from kimi_passes.taps.stream import ENV_VAR, resolve_aux_stream
 
     os.environ[ENV_VAR] = stream
     name = "kimi_vllm_callable_route"
@@ -169,8 +169,8 @@ def callable_route_module(stream: str, unguarded: bool = False) -> str:
     module.aux_pass = AuxStreamPass(resolve_aux_stream())
     sys.modules[name] = module
     if unguarded:
-        import kimi_passes.aux_stream
-        kimi_passes.aux_stream.check_host_key = lambda pass_: None
+        import kimi_passes.taps.aux_stream
+        kimi_passes.taps.aux_stream.check_host_key = lambda pass_: None
     return f"{name}.aux_pass"
 
 

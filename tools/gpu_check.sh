@@ -32,13 +32,8 @@
 # The kernel's registers, spills and occupancy need no GPU (step 2b runs the same tool that
 # CI runs): python tools/kernel_build.py (BENCHMARKS.md, "Offline kernel build").
 #
-# Importing without installing: setuptools maps ops/ -> kimi_passes.ops and
-# graphs/ -> kimi_passes.graphs, so the repository root on PYTHONPATH is not enough, and an
-# editable install needs setuptools and a build step. Instead a temporary directory holds a
-# kimi_passes/ of symlinks (the files of kimi_passes/, plus ops -> ops/ and graphs ->
-# graphs/) and goes first on PYTHONPATH. Python commands run with that directory as cwd,
-# because `python -m`/`-c` put the cwd first on sys.path and the repository's own
-# kimi_passes/ (without ops/) would shadow the shim.
+# Importing without installing: the repository root on PYTHONPATH (and as the cwd) is enough;
+# kimi_passes maps ops/ and graphs/ of its own checkout (kimi_passes/layout.py).
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -58,17 +53,8 @@ STATUS=()
 export TRITON_INTERPRET=0
 export PYTHONUNBUFFERED=1
 
-SHIM="$(mktemp -d)"
-trap 'rm -rf "$SHIM"' EXIT
-mkdir "$SHIM/kimi_passes"
-for f in "$REPO"/kimi_passes/*; do
-    case "$(basename "$f")" in __pycache__) continue ;; esac
-    ln -sfn "$f" "$SHIM/kimi_passes/"
-done
-ln -sfn "$REPO/ops" "$SHIM/kimi_passes/ops"
-ln -sfn "$REPO/graphs" "$SHIM/kimi_passes/graphs"
-export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
-cd "$SHIM" || exit 1
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+cd "$REPO" || exit 1
 
 left() { echo $((BUDGET - (SECONDS - START))); }
 
@@ -113,7 +99,8 @@ for mod in ("triton", "pytest", "matplotlib", "flash_attn_res", "attnres", "kimi
         print(f"{mod:>15}: {getattr(m, '__version__', '?')} at {getattr(m, '__file__', '?')}")
     except Exception as e:  # noqa: BLE001
         print(f"{mod:>15}: not importable ({type(e).__name__}: {e})")
-import kimi_passes.ops, kimi_passes.graphs  # noqa: E401  the shim must map both
+import kimi_passes.ops, kimi_passes.graphs  # noqa: E401  both from this checkout
+print("kimi_passes.ops at", kimi_passes.ops.__file__)
 print("kimi ops:", [n for n in dir(torch.ops.kimi) if not n.startswith("_")][:8])
 EOF
 }

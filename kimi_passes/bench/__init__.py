@@ -9,8 +9,11 @@ per section (``--only op,tap,pass,compile``), each saying in its docstring what 
 ``compile``   :mod:`.compile_time`: cold compile time against depth
 
 :mod:`.harness` holds the timers and statistics, :mod:`.report` the text report and the
-plot, :mod:`.cli` the command line. The names below are the ones ``kimi_passes.bench``
-has always exported.
+plot, :mod:`.cli` the command line. Two benchmarks have command lines of their own:
+:mod:`.fusion` (plain-torch AttnRes models under ``kimi_backend`` against plain Inductor,
+``python -m kimi_passes.bench.fusion``, also ``tools/bench_fusion.py``) and :mod:`.cpu_op`
+(the CPU op against its plain-torch statement, ``python -m kimi_passes.bench.cpu_op``). The
+names below are the ones ``kimi_passes.bench`` has always exported.
 """
 
 from kimi_passes.bench.cli import SECTIONS, Config, main, parse_args

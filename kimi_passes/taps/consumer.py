@@ -16,7 +16,8 @@ import torch
 from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
 from torch.fx import Node
 
-from kimi_passes.fx_toolkit import (
+from kimi_passes.ops.conventions import MUTATED_ARGS
+from kimi_passes.passes.fx_toolkit import (
     calls_to,
     functional_calls,
     getitem,
@@ -24,7 +25,6 @@ from kimi_passes.fx_toolkit import (
     root,
     same_sum,
 )
-from kimi_passes.ops.conventions import MUTATED_ARGS
 
 kimi = torch.ops.kimi
 

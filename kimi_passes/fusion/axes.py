@@ -10,8 +10,7 @@ import sympy
 import torch
 from torch.fx import Node
 
-from kimi_passes.fx_toolkit import COPIES
-from kimi_passes.mixture_values import (
+from kimi_passes.fusion.values import (
     NoMatch,
     is_one,
     normalize_dim,
@@ -19,6 +18,7 @@ from kimi_passes.mixture_values import (
     shape_of,
     size_expr,
 )
+from kimi_passes.passes.fx_toolkit import COPIES
 
 aten = torch.ops.aten
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
-from kimi_passes.mixture_values import NoMatch, is_one, normalize_dim, numel, same_size, shape_of
+from kimi_passes.fusion.values import NoMatch, is_one, normalize_dim, numel, same_size, shape_of
 
 aten = torch.ops.aten
 

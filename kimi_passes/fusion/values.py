@@ -1,6 +1,6 @@
 """The abstract values the mixture evaluator assigns to nodes, and symbolic sizes.
 
-The evaluator (``mixture_evaluator``) gives every node between the stacked sources ``V``
+The evaluator (``fusion.evaluator``) gives every node between the stacked sources ``V``
 (the root) and the weighted sum one ``MixtureValue``: what it computes from ``V``, as a
 ``Kind`` with its parameters, and which root axes each of its dims holds. Root dim ``i``
 of size > 1 is axis ``"a<i>"``; the last one is the hidden axis (summed over by the

@@ -2,7 +2,7 @@
 
 Inductor's FX graph cache keys a compiled graph on the graph before the post-grad passes
 and on each custom pass's ``uuid()``. A pass whose key missed a module its rewrite runs
-(an edit to ``consumer.py`` changes which node a tap reads) would get a stale graph
+(an edit to ``taps/consumer.py`` changes which node a tap reads) would get a stale graph
 served. So the key is not a hand-kept file list: ``dependencies(module)`` reads the
 module's source, follows every ``kimi_passes.*`` import in it (module level or inside a
 function, absolute or relative), and repeats on what it finds. The ops package is in

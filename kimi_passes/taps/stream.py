@@ -9,8 +9,8 @@ import json
 import os
 from pathlib import Path
 
-from kimi_passes.aux_stream import STREAMS
-
+#: The streams a tap can read: the consumer's pre-norm mixture, or the legacy running prefix.
+STREAMS = ("attn_res", "prefix")
 ENV_VAR = "KIMI_PASSES_AUX_STREAM"
 DEFAULT_STREAM = "attn_res"
 DRAFT_KEY = "aux_hidden_stream"

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 
 from torch.fx import Graph, GraphModule
 
-from kimi_passes.backend import KimiBackend, PassObserver, make_kimi_backend
-from kimi_passes.graph_names import input_names
-from kimi_passes.graph_text import graph_text, kimi_op_counts
+from kimi_passes.backend import KimiBackend, make_kimi_backend
+from kimi_passes.debug.graph_names import input_names
+from kimi_passes.debug.graph_text import graph_text, kimi_op_counts
+from kimi_passes.passes.manager import PassObserver
 
 
 def copy_graph(graph: Graph) -> Graph:

@@ -41,20 +41,19 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
-from kimi_passes.consumer import (
+from kimi_passes.errors import AuxCaptureError
+from kimi_passes.ops.conventions import cdiv
+from kimi_passes.passes.base import KimiGraphPass
+from kimi_passes.passes.fx_toolkit import call_function, calls_to
+from kimi_passes.passes.host_key import check_host_key
+from kimi_passes.taps.consumer import (
     AUX_TAP,
     AttnResCall,
     attn_res_calls,
     find_consumers,
     mix_nodes,
 )
-from kimi_passes.errors import AuxCaptureError
-from kimi_passes.fx_toolkit import call_function, calls_to
-from kimi_passes.host_key import check_host_key
-from kimi_passes.inductor_pass import KimiGraphPass
-from kimi_passes.ops.conventions import cdiv
-
-STREAMS = ("attn_res", "prefix")
+from kimi_passes.taps.stream import STREAMS
 
 kimi = torch.ops.kimi
 

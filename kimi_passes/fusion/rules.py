@@ -11,15 +11,14 @@ the query dot or the weighted sum, ``mv`` the query dot (training graphs, undeco
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import sympy
 import torch
 from torch.fx import Node
 
-from kimi_passes.fx_toolkit import CASTS, dtype_of, is_lossless
-from kimi_passes.mixture_axes import VIEWS, broadcast_dims, view_dims
-from kimi_passes.mixture_values import (
+from kimi_passes.fusion.axes import VIEWS, broadcast_dims, view_dims
+from kimi_passes.fusion.state import MixtureState
+from kimi_passes.fusion.values import (
     Kind,
     MixtureValue,
     NoMatch,
@@ -31,9 +30,7 @@ from kimi_passes.mixture_values import (
     shape_of,
     size_expr,
 )
-
-if TYPE_CHECKING:
-    from kimi_passes.mixture_evaluator import MixtureEvaluator
+from kimi_passes.passes.fx_toolkit import CASTS, dtype_of, is_lossless
 
 aten = torch.ops.aten
 
@@ -54,7 +51,7 @@ def _scalar(a) -> float | None:
     return None
 
 
-def _ext_kind(ev: MixtureEvaluator, ext: Node, dims: tuple, where: str) -> str:
+def _ext_kind(ev: MixtureState, ext: Node, dims: tuple, where: str) -> str:
     """How a tensor from outside the region broadcasts against ``dims``: 'vec' or 'scalar'."""
     shape = shape_of(ext)
     if len(shape) > len(dims) and not all(is_one(s) for s in shape[: len(shape) - len(dims)]):
@@ -71,13 +68,13 @@ def _ext_kind(ev: MixtureEvaluator, ext: Node, dims: tuple, where: str) -> str:
     return kind
 
 
-def _is_mean(ev: MixtureEvaluator, scale) -> bool:
+def _is_mean(ev: MixtureState, scale) -> bool:
     """Is ``scale * sum_h`` the mean over the hidden axis (``scale == 1/H``)?"""
     e = sympy.simplify(sympy.sympify(scale) * size_expr(ev.hidden_size) - 1)
     return abs(float(e)) < 1e-6 if e.is_number else e == 0
 
 
-def _view(ev: MixtureEvaluator, node: Node, where: str) -> MixtureValue:
+def _view(ev: MixtureState, node: Node, where: str) -> MixtureValue:
     x = ev.value_of(node.args[0])
     if x is None:
         raise NoMatch(f"{where}: view of a tensor outside the region")
@@ -85,7 +82,7 @@ def _view(ev: MixtureEvaluator, node: Node, where: str) -> MixtureValue:
     return ev.checked(node, replace(x, dims=dims), where)
 
 
-def _cast(ev: MixtureEvaluator, node: Node, where: str) -> MixtureValue:
+def _cast(ev: MixtureState, node: Node, where: str) -> MixtureValue:
     x = ev.value_of(node.args[0])
     if x is None:
         raise NoMatch(f"{where}: cast of a tensor outside the region")
@@ -96,7 +93,7 @@ def _cast(ev: MixtureEvaluator, node: Node, where: str) -> MixtureValue:
     return replace(x, exact=x.exact and lossless)
 
 
-def _guard(ev: MixtureEvaluator, node: Node, where: str) -> MixtureValue:
+def _guard(ev: MixtureState, node: Node, where: str) -> MixtureValue:
     """A finiteness test of the logits (Inductor's softmax-with-temperature rewrite)."""
     for a in node.all_input_nodes:
         v = ev.value_of(a)
@@ -105,7 +102,7 @@ def _guard(ev: MixtureEvaluator, node: Node, where: str) -> MixtureValue:
     return MixtureValue(Kind.GUARD, ((),) * len(shape_of(node)))
 
 
-def _where(ev: MixtureEvaluator, node: Node, where: str) -> MixtureValue:
+def _where(ev: MixtureState, node: Node, where: str) -> MixtureValue:
     """``where(cond, a, b)`` of two equal shifted logits: the condition does not matter."""
     cond, a, b = (ev.value_of(x) for x in node.args[:3])
     if cond is None or cond.kind is not Kind.GUARD or a is None or b is None:
@@ -117,7 +114,7 @@ def _where(ev: MixtureEvaluator, node: Node, where: str) -> MixtureValue:
     return ev.checked(node, replace(a, dims=dims), where)
 
 
-def _mul(ev: MixtureEvaluator, node: Node, where: str) -> MixtureValue:
+def _mul(ev: MixtureState, node: Node, where: str) -> MixtureValue:
     a, b = node.args[0], node.args[1]
     va, vb = ev.value_of(a), ev.value_of(b)
     if va is None and vb is not None:
@@ -176,7 +173,7 @@ def _mul(ev: MixtureEvaluator, node: Node, where: str) -> MixtureValue:
     raise NoMatch(f"{where}: product of {va.kind} and {vb.kind}")
 
 
-def _div(ev: MixtureEvaluator, node: Node, where: str) -> MixtureValue:
+def _div(ev: MixtureState, node: Node, where: str) -> MixtureValue:
     a, b = node.args[0], node.args[1]
     va, vb, c = ev.value_of(a), ev.value_of(b), _scalar(b)
     if va is None:
@@ -202,7 +199,7 @@ def _div(ev: MixtureEvaluator, node: Node, where: str) -> MixtureValue:
     raise NoMatch(f"{where}: {va.kind} divided by {vb.kind}")
 
 
-def _add(ev: MixtureEvaluator, node: Node, where: str) -> MixtureValue:
+def _add(ev: MixtureState, node: Node, where: str) -> MixtureValue:
     if node.kwargs.get("alpha", 1) != 1:
         raise NoMatch(f"{where}: add/sub with alpha")
     a, b = node.args[0], node.args[1]
@@ -227,7 +224,7 @@ def _add(ev: MixtureEvaluator, node: Node, where: str) -> MixtureValue:
                   f"{vb.kind if vb else b}")
 
 
-def _pow(ev: MixtureEvaluator, node: Node, where: str) -> MixtureValue:
+def _pow(ev: MixtureState, node: Node, where: str) -> MixtureValue:
     x, e = ev.value_of(node.args[0]), node.args[1]
     if x is None:
         raise NoMatch(f"{where}: power of a tensor outside the region")
@@ -240,7 +237,7 @@ def _pow(ev: MixtureEvaluator, node: Node, where: str) -> MixtureValue:
     raise NoMatch(f"{where}: {x.kind} ** {e}")
 
 
-def _unary(ev: MixtureEvaluator, node: Node, where: str) -> MixtureValue:
+def _unary(ev: MixtureState, node: Node, where: str) -> MixtureValue:
     t, x = node.target, ev.value_of(node.args[0])
     if x is None:
         raise NoMatch(f"{where}: of a tensor outside the region")
@@ -263,7 +260,7 @@ def _unary(ev: MixtureEvaluator, node: Node, where: str) -> MixtureValue:
     raise NoMatch(f"{where}: applied to {x.kind}")
 
 
-def _reduce(ev: MixtureEvaluator, node: Node, where: str) -> MixtureValue:
+def _reduce(ev: MixtureState, node: Node, where: str) -> MixtureValue:
     t, x = node.target, ev.value_of(node.args[0])
     if x is None:
         raise NoMatch(f"{where}: reduction of a tensor outside the region")
@@ -312,14 +309,14 @@ def _reduce(ev: MixtureEvaluator, node: Node, where: str) -> MixtureValue:
                   + (" (the hidden axis)" if hidden else ""))
 
 
-def _softmax(ev: MixtureEvaluator, node: Node, where: str) -> MixtureValue:
+def _softmax(ev: MixtureState, node: Node, where: str) -> MixtureValue:
     x = ev.value_of(node.args[0])
     if x is None:
         raise NoMatch(f"{where}: softmax of a tensor outside the region")
     return ev.found_probabilities(node, x, node.args[1], where)
 
 
-def _matmul(ev: MixtureEvaluator, node: Node, where: str) -> MixtureValue:
+def _matmul(ev: MixtureState, node: Node, where: str) -> MixtureValue:
     t = node.target
     bias = node.args[0] if t is aten.addmm.default else None
     a, b = node.args[-2:] if bias is not None else node.args[:2]
@@ -350,7 +347,7 @@ def _matmul(ev: MixtureEvaluator, node: Node, where: str) -> MixtureValue:
     return ev.checked(node, val, where)
 
 
-def _query_dot(ev: MixtureEvaluator, va, vb, a, b, batched: bool, where: str) -> MixtureValue:
+def _query_dot(ev: MixtureState, va, vb, a, b, batched: bool, where: str) -> MixtureValue:
     """keys @ pseudo-query (or its transpose): the contraction over the hidden axis."""
     mono, ext, ext_left = (vb, a, True) if va is None else (va, b, False)
     if mono.kind is not Kind.MONOMIAL or not mono.has_sources or mono.hidden_summed:
@@ -373,7 +370,7 @@ def _query_dot(ev: MixtureEvaluator, va, vb, a, b, batched: bool, where: str) ->
                    exact=False)
 
 
-def _mv(ev: MixtureEvaluator, node: Node, where: str) -> MixtureValue:
+def _mv(ev: MixtureState, node: Node, where: str) -> MixtureValue:
     """keys ``[M, H]`` @ pseudo-query ``[H]`` (``matmul`` of a matrix and a vector, before
     Inductor decomposes it: graphs traced for training)."""
     a, v = node.args[:2]

@@ -16,13 +16,13 @@ from __future__ import annotations
 import torch
 from torch.fx import Graph, Node
 
-from kimi_passes.fx_toolkit import call_function, dtype_of
-from kimi_passes.inductor_pass import logger
+from kimi_passes.passes.base import logger
+from kimi_passes.passes.fx_toolkit import call_function, dtype_of
 
 aten = torch.ops.aten
 kimi = torch.ops.kimi
 
-#: Node meta key on graph inputs: does the input require grad (set by ``pre_autograd``;
+#: Node meta key on graph inputs: does the input require grad (set by ``training.trace``;
 #: fake values traced below autograd do not keep the flag).
 REQUIRES_GRAD = "requires_grad"
 #: The fused ops and the position of their pseudo-query argument.

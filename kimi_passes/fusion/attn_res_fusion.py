@@ -9,9 +9,9 @@ prefix) or ``kimi.attn_res_mix_list`` (any list of sources), which read each sou
 place. The aux-stream pass then finds ``attn_res_mix`` consumers of aux taps as usual.
 
 Where the parts live: this module holds the pass and the candidate search (steps 1-2
-below); ``mixture_evaluator`` (with ``mixture_rules``, ``mixture_axes`` and
-``mixture_values``) recognises a plain-torch mixture (step 3); ``mixture_sources``
-splits the stacked root into its sources (step 4); ``mixture_rewrite`` emits the kimi op.
+below); ``evaluator`` (with ``state``, ``rules``, ``axes`` and ``values``) recognises a
+plain-torch mixture (step 3); ``sources`` splits the stacked root into its sources (step
+4); ``rewrite`` emits the kimi op; ``grad_anchor`` keeps inputs' gradients in training.
 
 Why a hand-written evaluator and not ``register_replacement``: a replacement pattern is
 one traced graph, and these sites come in a product of spellings (the stacking layout
@@ -76,16 +76,16 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Graph, Node
 
-from kimi_passes.consumer import AUX_TAP
-from kimi_passes.fx_toolkit import CASTS, calls_to
-from kimi_passes.grad_anchor import keep_gradients, leaf_inputs
-from kimi_passes.inductor_pass import KimiGraphPass, logger
-from kimi_passes.mixture_axes import VIEWS
-from kimi_passes.mixture_evaluator import MixtureEvaluator
-from kimi_passes.mixture_rewrite import FusedSite, MixtureMatch, rewrite, with_replacements
-from kimi_passes.mixture_rules import SOFTMAX_OPS
-from kimi_passes.mixture_sources import split_sources
-from kimi_passes.mixture_values import NoMatch
+from kimi_passes.fusion.axes import VIEWS
+from kimi_passes.fusion.evaluator import MixtureEvaluator
+from kimi_passes.fusion.grad_anchor import keep_gradients, leaf_inputs
+from kimi_passes.fusion.rewrite import FusedSite, MixtureMatch, rewrite, with_replacements
+from kimi_passes.fusion.rules import SOFTMAX_OPS
+from kimi_passes.fusion.sources import split_sources
+from kimi_passes.fusion.values import NoMatch
+from kimi_passes.passes.base import KimiGraphPass, logger
+from kimi_passes.passes.fx_toolkit import CASTS, calls_to
+from kimi_passes.taps.consumer import AUX_TAP
 
 aten = torch.ops.aten
 

@@ -15,10 +15,17 @@ from typing import NamedTuple
 import torch
 from torch.fx import Graph, Node
 
-from kimi_passes.fx_toolkit import CASTS, call_function, dtype_of, is_lossless, root, same_sum
-from kimi_passes.mixture_axes import VIEWS
-from kimi_passes.mixture_sources import SourceRun
-from kimi_passes.mixture_values import NoMatch, numel, same_size, shape_of, size_expr
+from kimi_passes.fusion.axes import VIEWS
+from kimi_passes.fusion.sources import SourceRun
+from kimi_passes.fusion.values import NoMatch, numel, same_size, shape_of, size_expr
+from kimi_passes.passes.fx_toolkit import (
+    CASTS,
+    call_function,
+    dtype_of,
+    is_lossless,
+    root,
+    same_sum,
+)
 
 aten = torch.ops.aten
 prims = torch.ops.prims

@@ -23,7 +23,7 @@ every other run of nodes into one ``... N ops`` line; arguments that point into
 a folded run print as ``_``.
 
 ``graph_dot`` draws the same views as Graphviz DOT. Recording graphs around the passes
-is ``kimi_passes.recording``'s job; this module only reads graphs.
+is ``kimi_passes.debug.recording``'s job; this module only reads graphs.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ import torch
 from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
 from torch.fx import Graph, GraphModule, Node
 
-from kimi_passes.fx_toolkit import AUTO_FUNCTIONALIZED, kimi_op
-from kimi_passes.graph_names import Symbols, op_name, source_name
+from kimi_passes.debug.graph_names import Symbols, op_name, source_name
+from kimi_passes.passes.fx_toolkit import AUTO_FUNCTIONALIZED, kimi_op
 
 VIEWS = ("full", "skeleton")
 #: Every kimi op, as ``kimi_op_counts`` counts them.

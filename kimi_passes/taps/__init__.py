@@ -1,0 +1,14 @@
+"""What a tap reads: the model-side marker and the aux-stream rewrite.
+
+- ``marker``: ``aux_tap(x, capture_id)``, the marker model code puts on a tap;
+- ``stream``: which stream a compile serves (argument, environment, drafter config);
+- ``consumer``: the AttnRes calls of a post-grad graph, and which one reads a tap's value;
+- ``aux_stream``: ``AuxStreamPass``, which rewrites every marker to its stream's value or
+  refuses at compile time (docs/design.md section 4).
+"""
+
+from kimi_passes.taps.aux_stream import AuxStreamPass, TapRewrite
+from kimi_passes.taps.marker import aux_tap
+from kimi_passes.taps.stream import STREAMS, resolve_aux_stream
+
+__all__ = ["STREAMS", "AuxStreamPass", "TapRewrite", "aux_tap", "resolve_aux_stream"]

@@ -1,0 +1,234 @@
+"""The package's layout: no import cycles, one tree per process, a wheel that carries it all.
+
+- The import graph of ``kimi_passes`` (``ops/`` and ``graphs/`` as ``kimi_passes.ops`` /
+  ``kimi_passes.graphs``) has no cycle, counting imports inside functions and
+  ``TYPE_CHECKING`` blocks; the detector itself is checked on a tree with a cycle.
+- Two checkouts, one installed editable (the README's set-up), code run from the other:
+  every module comes from the tree ``kimi_passes`` came from, and a module that tree lacks
+  is an error naming it, never the other checkout's copy. A checkout run with no install at
+  all works the same; ``kimi_passes/`` alone, with no ``ops/`` beside it, is refused with
+  the remedy.
+- A wheel built from the tree (not the editable install) carries every package and the
+  golden files, and imports from where it was installed.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import shutil
+import subprocess
+import sys
+import zipfile
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+#: Import name -> folder: the package-dir mapping of pyproject.toml.
+TREES = {"kimi_passes": ROOT / "kimi_passes", "kimi_passes.ops": ROOT / "ops",
+         "kimi_passes.graphs": ROOT / "graphs"}
+
+
+# --------------------------------------------------------------------------- import cycles
+
+
+def module_files(trees: dict[str, Path]) -> dict[str, Path]:
+    """Module name -> source file for every ``.py`` file under ``trees``."""
+    mods = {}
+    for pkg, root in trees.items():
+        for f in sorted(root.rglob("*.py")):
+            parts = [p for p in f.relative_to(root).with_suffix("").parts if p != "__init__"]
+            mods[".".join([pkg, *parts])] = f
+    return mods
+
+
+def import_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the package modules it imports (any scope; ``from p import m`` names p.m)."""
+    edges: dict[str, set[str]] = {m: set() for m in mods}
+    for m, f in mods.items():
+        package = m if f.name == "__init__.py" else m.rpartition(".")[0]
+        for node in ast.walk(ast.parse(f.read_text(), filename=str(f))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(up + ([base] if base else []))
+                subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in mods]
+                targets = subs or [base]
+            edges[m] |= {t for t in targets if t in mods and t != m}
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Every cycle a depth-first search meets (each as a path that returns to its start)."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(u: str) -> None:
+        state[u] = 1
+        stack.append(u)
+        for v in sorted(edges[u]):
+            if state.get(v) == 1:
+                found.append(stack[stack.index(v):] + [v])
+            elif v not in state:
+                visit(v)
+        stack.pop()
+        state[u] = 2
+
+    for m in sorted(edges):
+        if m not in state:
+            visit(m)
+    return found
+
+
+def test_the_package_has_no_import_cycles():
+    mods = module_files(TREES)
+    assert {"kimi_passes.backend", "kimi_passes.ops.library", "kimi_passes.graphs.k3",
+            "kimi_passes.fusion.rules"} <= set(mods)
+    found = cycles(import_graph(mods))
+    assert not found, "import cycles:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+def test_the_cycle_detector_sees_a_cycle(tmp_path):
+    """Including one through a TYPE_CHECKING import and a relative one."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from typing import TYPE_CHECKING\n"
+                              "if TYPE_CHECKING:\n    from pkg.b import B\n")
+    (pkg / "b.py").write_text("def f():\n    from . import a\n")
+    (pkg / "c.py").write_text("import pkg.a\n")
+    found = cycles(import_graph(module_files({"pkg": pkg})))
+    assert [c for c in found if set(c) == {"pkg.a", "pkg.b"}], found
+
+
+# --------------------------------------------------------------------------- one tree
+
+PROBE = """
+import importlib, json, sys
+if {strip}:  # no install at all: drop the editable install's finder
+    sys.meta_path[:] = [f for f in sys.meta_path if "Editable" not in repr(f)]
+out = {{}}
+for name in {names!r}:
+    try:
+        out[name] = importlib.import_module(name).__file__
+    except ImportError as e:
+        out[name] = f"{{type(e).__name__}}: {{e}}"
+print(json.dumps(out))
+"""
+NAMES = ("kimi_passes", "kimi_passes.ops", "kimi_passes.ops.cpu", "kimi_passes.graphs",
+         "kimi_passes.graphs.k3", "kimi_passes.fusion", "kimi_passes.taps.aux_stream",
+         "kimi_passes.bench")
+
+
+def probe(cwd: Path, names=NAMES, strip=False, env=None) -> dict[str, str]:
+    """Import ``names`` in a fresh interpreter run from ``cwd`` (``-c``: cwd first on sys.path)."""
+    r = subprocess.run([sys.executable, "-c", PROBE.format(names=names, strip=strip)],
+                       cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def copy_checkout(dest: Path, parts=("kimi_passes", "ops", "graphs")) -> Path:
+    dest.mkdir()
+    for part in parts:
+        shutil.copytree(ROOT / part, dest / part, ignore=shutil.ignore_patterns("__pycache__"))
+    (dest / "pyproject.toml").write_bytes((ROOT / "pyproject.toml").read_bytes())
+    return dest
+
+
+def editable_root() -> Path | None:
+    """The checkout this environment's editable install of kimi-passes maps, if any."""
+    try:
+        dist = metadata.distribution("kimi-passes")
+    except metadata.PackageNotFoundError:
+        return None
+    text = dist.read_text("direct_url.json")
+    info = json.loads(text) if text else {}
+    if not info.get("dir_info", {}).get("editable"):
+        return None
+    return Path(info["url"].removeprefix("file://")).resolve()
+
+
+def under(path: str, root: Path) -> bool:
+    return Path(path).resolve().is_relative_to(root)
+
+
+@pytest.fixture(scope="module")
+def other_checkout(tmp_path_factory) -> Path:
+    """A second checkout, B, while this one (A) is installed editable."""
+    if editable_root() != ROOT:
+        pytest.skip(f"needs {ROOT} installed editable (the README's set-up command)")
+    return copy_checkout(tmp_path_factory.mktemp("b") / "checkout")
+
+
+def test_code_run_from_another_checkout_imports_that_checkout(other_checkout):
+    got = probe(other_checkout)
+    assert all(under(f, other_checkout) for f in got.values()), got
+
+
+def test_a_module_the_other_checkout_lacks_is_not_taken_from_the_installed_one(other_checkout,
+                                                                             tmp_path):
+    """The editable install's finder would serve A's copy of any direct submodule of
+    kimi_passes, kimi_passes.ops or kimi_passes.graphs that B lacks."""
+    b = copy_checkout(tmp_path / "b2")
+    shutil.rmtree(b / "kimi_passes" / "bench")
+    (b / "ops" / "triton_kernels.py").unlink()  # imported lazily, on first launch
+    got = probe(b, ("kimi_passes.bench", "kimi_passes.ops.triton_kernels", "kimi_passes.fusion"))
+    for name, folder in (("kimi_passes.bench", b / "kimi_passes"),
+                         ("kimi_passes.ops.triton_kernels", b / "ops")):
+        assert got[name].startswith(f"ModuleNotFoundError: No module named {name!r}"), got
+        assert str(folder) in got[name], got
+    assert under(got["kimi_passes.fusion"], b), got
+
+
+def test_the_installed_checkout_serves_other_directories(tmp_path):
+    root = editable_root()
+    if root is None:
+        pytest.skip("needs the checkout installed editable (the README's set-up command)")
+    got = probe(tmp_path)
+    assert all(under(f, root) for f in got.values()), got
+
+
+def test_a_checkout_runs_with_no_install(tmp_path):
+    b = copy_checkout(tmp_path / "b")
+    got = probe(b, strip=True)
+    assert all(under(f, b) for f in got.values()), got
+
+
+def test_the_package_folder_alone_is_refused_with_the_remedy(tmp_path):
+    c = copy_checkout(tmp_path / "c", parts=("kimi_passes",))
+    got = probe(c, ("kimi_passes",), strip=True)
+    msg = got["kimi_passes"]
+    assert msg.startswith("ImportError: kimi_passes.ops cannot be found"), msg
+    assert "pip install -e ." in msg and str(c / "kimi_passes") in msg, msg
+
+
+# --------------------------------------------------------------------------- the wheel
+
+
+def test_a_built_wheel_carries_every_package_and_imports_from_where_it_lies(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                        "-q", "-w", str(tmp_path / "dist"), str(ROOT)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    (wheel,) = (tmp_path / "dist").glob("kimi_passes-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    # Every package folder of the tree is in the wheel (pyproject's list is complete).
+    packages = sorted(m for m, f in module_files(TREES).items() if f.name == "__init__.py")
+    for pkg in packages:
+        assert pkg.replace(".", "/") + "/__init__.py" in names, f"{pkg} not in {wheel.name}"
+    goldens = sorted(p.name for p in (ROOT / "graphs" / "golden").glob("*.txt"))
+    assert goldens and all(f"kimi_passes/graphs/golden/{g}" in names for g in goldens)
+
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    env = {**__import__("os").environ, "PYTHONPATH": str(site)}
+    got = probe(tmp_path, (*NAMES, *packages), strip=True, env=env)
+    assert all(under(f, site) for f in got.values()), got
