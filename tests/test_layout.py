@@ -214,8 +214,10 @@ def test_the_package_folder_alone_is_refused_with_the_remedy(tmp_path):
 
 
 def test_a_built_wheel_carries_every_package_and_imports_from_where_it_lies(tmp_path):
+    src = copy_checkout(tmp_path / "src")  # setuptools writes build files next to the sources
+    (src / "README.md").write_bytes((ROOT / "README.md").read_bytes())
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                        "-q", "-w", str(tmp_path / "dist"), str(ROOT)],
+                        "-q", "-w", str(tmp_path / "dist"), str(src)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     (wheel,) = (tmp_path / "dist").glob("kimi_passes-*.whl")
