@@ -1,4 +1,4 @@
-"""Random plain-torch AttnRes programs for the fusion fuzz (tests/test_fusion_fuzz.py).
+"""Random plain-torch AttnRes programs for the fusion fuzz (tests/test_fusion_vs_inductor_fuzz.py).
 
 A program is one or two mixing sites over a shared layout; each site is assembled from
 drawn choices (how the sources are gathered, how the keys are normalised, how the query
@@ -119,7 +119,7 @@ class Program:
 def programs(draw, miss_rate: float = 0.4):
     """A Program. Hypothesis draws the structure; the spellings come from a seeded
     ``random.Random`` (a late Hypothesis draw collapses to its simplest value, see
-    tests/test_fuzz.py's ``k3_cases``), seeded by the structure and a drawn integer."""
+    tests/test_taps_fuzz.py's ``k3_cases``), seeded by the structure and a drawn integer."""
     layout = draw(st.sampled_from(LAYOUTS), label="layout")
     n_sites = draw(st.integers(1, 2), label="sites")
     knobs = draw(st.integers(0, 2**32 - 1), label="knobs_seed")

@@ -36,7 +36,8 @@ and found mix nodes, the pass's refusal reasons, worst error, seconds);
 ``KIMI_PASSES_FUSION_FUZZ_KEEP_GOING=1`` logs failures and carries on.
 
     KIMI_PASSES_FUSION_FUZZ_PROFILE=long KIMI_PASSES_FUSION_FUZZ_KEEP_GOING=1 \\
-    KIMI_PASSES_FUSION_FUZZ_LOG=fusion.jsonl pytest tests/test_fusion_fuzz.py -k "equals or kept"
+    KIMI_PASSES_FUSION_FUZZ_LOG=fusion.jsonl \\
+    pytest tests/test_fusion_vs_inductor_fuzz.py -k "equals or kept"
 
 or ``python tools/fuzz_long.py --suite fusion`` (one seed per core, with a summary).
 """

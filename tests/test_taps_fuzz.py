@@ -24,7 +24,7 @@ line per model example (geometry, outcome, worst error in tolerances, seconds);
 ``KIMI_PASSES_FUZZ_KEEP_GOING=1`` logs failures and carries on (one run counts them all).
 
     export KIMI_PASSES_FUZZ_PROFILE=long KIMI_PASSES_FUZZ_KEEP_GOING=1
-    KIMI_PASSES_FUZZ_LOG=fuzz.jsonl pytest tests/test_fuzz.py -k "ground_truth or kept"
+    KIMI_PASSES_FUZZ_LOG=fuzz.jsonl pytest tests/test_taps_fuzz.py -k "ground_truth or kept"
 
 or, one seed per core with a summary of the logs: ``python tools/fuzz_long.py``.
 
@@ -131,7 +131,7 @@ def k3_cases(draw):
     L = draw(st.integers(1, 12), label="num_layers")
     S = draw(st.integers(1, L), label="block_size")
     # At least one tap: a tap-less model checks nothing this property is about (24% of
-    # that run); the pass on a graph without markers is covered in test_aux_stream.
+    # that run); the pass on a graph without markers is covered in test_taps.py.
     taps = draw(st.sets(st.integers(0, L), min_size=1, max_size=min(L + 1, 5)), label="taps")
     extra = draw(st.sets(st.sampled_from((0, L))), label="taps_0_L")  # ends often
     ids = tuple(sorted(taps | extra))

@@ -1,6 +1,6 @@
 """Run the long fuzz profile on several cores, one seed per process, and summarise the logs.
 
-Each process runs ``tests/test_fuzz.py``'s model property with
+Each process runs ``tests/test_taps_fuzz.py``'s model property with
 ``KIMI_PASSES_FUZZ_PROFILE=long`` and ``KIMI_PASSES_FUZZ_KEEP_GOING=1`` (a failing example is
 logged and the run goes on; ``test_kept_going_without_failures`` then fails the process),
 writing one JSON line per example to ``<log-dir>/fuzz_<seed>.jsonl``. Then the logs are
@@ -8,7 +8,7 @@ summarised: examples, distinct configurations (the weights' seed left out), outc
 stage compiles verified or refused, taps verified, the spread of the knobs and the worst
 error in tolerances. Exit status 1 if any process failed or any example did not pass.
 
-``--suite fusion`` runs ``tests/test_fusion_fuzz.py`` instead (the differential fuzz of
+``--suite fusion`` runs ``tests/test_fusion_vs_inductor_fuzz.py`` instead (the differential fuzz of
 the AttnRes fusion pass against plain Inductor; ``KIMI_PASSES_FUSION_FUZZ_*``, logs
 ``fusion_<seed>.jsonl``) and summarises programs, sites fused and refused, and the worst
 error per dtype and mode.
@@ -40,8 +40,8 @@ CONFIG_KEYS = ("L", "S", "H", "ids", "cuts", "T", "dtype", "stream", "fuse")
 
 # suite: (env prefix, log name prefix, test file, -k selection)
 SUITES = {
-    "taps": ("KIMI_PASSES_FUZZ_", "fuzz", "tests/test_fuzz.py", "ground_truth or kept"),
-    "fusion": ("KIMI_PASSES_FUSION_FUZZ_", "fusion", "tests/test_fusion_fuzz.py",
+    "taps": ("KIMI_PASSES_FUZZ_", "fuzz", "tests/test_taps_fuzz.py", "ground_truth or kept"),
+    "fusion": ("KIMI_PASSES_FUSION_FUZZ_", "fusion", "tests/test_fusion_vs_inductor_fuzz.py",
                "equals or kept"),
 }
 
@@ -138,7 +138,7 @@ def summarize(logs: list[Path]) -> tuple[str, bool]:
 
 
 def summarize_fusion(logs: list[Path]) -> tuple[str, bool]:
-    """Summary of tests/test_fusion_fuzz.py logs (one row per program and mode)."""
+    """Summary of tests/test_fusion_vs_inductor_fuzz.py logs (one row per program and mode)."""
     rows = [json.loads(line) for log in logs for line in log.read_text().splitlines()]
     if not rows:
         return "no examples logged", False
@@ -188,7 +188,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=int, default=3 * 3600, help="seconds for all shards")
     ap.add_argument("--summarize-only", action="store_true", help="summarise existing logs")
     ap.add_argument("--suite", choices=sorted(SUITES), default="taps",
-                    help="taps: tests/test_fuzz.py; fusion: tests/test_fusion_fuzz.py")
+                    help="taps: tests/test_taps_fuzz.py; "
+                         "fusion: tests/test_fusion_vs_inductor_fuzz.py")
     args = ap.parse_args(argv)
     name = SUITES[args.suite][1]
     codes = [] if args.summarize_only else run_shards(args.seeds, args.examples,
