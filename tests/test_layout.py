@@ -234,3 +234,36 @@ def test_a_built_wheel_carries_every_package_and_imports_from_where_it_lies(tmp_
     env = {**__import__("os").environ, "PYTHONPATH": str(site)}
     got = probe(tmp_path, (*NAMES, *packages), strip=True, env=env)
     assert all(under(f, site) for f in got.values()), got
+
+
+# --------------------------------------------------------------------------- public names
+
+
+def test_what_users_import_keeps_working():
+    """The names the README promises, wherever the modules behind them moved."""
+    import kimi_passes
+    import kimi_passes.debug
+    import kimi_passes.fusion
+    import kimi_passes.graphs.k3
+
+    assert sorted(kimi_passes.__all__) == sorted([
+        "AuxCaptureError", "AuxStreamPass", "KimiBackend", "aux_tap", "graph_text",
+        "kimi_backend", "make_kimi_backend", "ops"])
+    for name in kimi_passes.__all__:
+        assert getattr(kimi_passes, name) is not None, name
+    assert callable(kimi_passes.graph_text)  # the function, not the module of that name
+    assert kimi_passes.fusion.AttnResFusionPass().uuid()
+    assert callable(kimi_passes.debug.dump) and callable(kimi_passes.debug.pass_dumps)
+    assert kimi_passes.graphs.k3.K3Model and kimi_passes.graphs.K3Config
+
+
+def test_the_entry_points_name_live_objects():
+    """``backend="kimi"`` (torch_dynamo_backends) and the ``kimi-passes`` console script."""
+    import kimi_passes.__main__
+    import kimi_passes.backend
+
+    eps = metadata.entry_points()
+    (backend,) = [e for e in eps.select(group="torch_dynamo_backends") if e.name == "kimi"]
+    assert backend.load() is kimi_passes.backend.kimi_backend
+    (script,) = [e for e in eps.select(group="console_scripts") if e.name == "kimi-passes"]
+    assert script.load() is kimi_passes.__main__.main
