@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from .attn_res_args import AttnResArgs
+
 # Rows per chunk are sized so the chunk's fp32 staging buffer is about this many bytes.
 _CHUNK_BYTES = 8 << 20
 
@@ -27,16 +29,17 @@ def _chunk_rows(T: int, n_src: int, H: int) -> int:
     return max(1, -(-T // n_chunks))
 
 
-def _attn_res_rows(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
-                   num_blocks, block_write_idx, eps, output_norm_eps, out, mixed):
+def _attn_res_rows(a: AttnResArgs, out, mixed):
     """Fill ``out`` (and ``mixed``, the pre-norm mixture, when not None) chunk by chunk."""
+    prefix, delta, blocks, output_norm_weight = a.prefix, a.delta, a.blocks, a.output_norm_weight
+    block_write_idx, eps = a.block_write_idx, a.eps
     T, H = prefix.shape
-    nb, n = num_blocks, num_blocks + 1
+    nb, n = a.num_blocks, a.num_blocks + 1
     f32, dev = torch.float32, prefix.device
     rows = _chunk_rows(T, n, H)
     direct = prefix.dtype == f32 and output_norm_weight is None  # mixture lands in ``out``
     if nb:
-        w = norm_weight.to(f32) * qk_weight.to(f32)
+        w = a.norm_weight.to(f32) * a.qk_weight.to(f32)
         stage = torch.empty((rows, n, H), dtype=f32, device=dev)
         logits = torch.empty((rows, n), dtype=f32, device=dev)
         inv = torch.empty((rows, n), dtype=f32, device=dev)
@@ -72,42 +75,27 @@ def _attn_res_rows(prefix, delta, blocks, norm_weight, qk_weight, output_norm_we
             continue
         s = scale[:C]
         torch.linalg.vector_norm(m, dim=-1, keepdim=True, out=s)
-        s.square_().div_(H).add_(output_norm_eps).rsqrt_()
+        s.square_().div_(H).add_(a.output_norm_eps).rsqrt_()
         torch.mul(m.mul_(s), onw, out=out[t0:t1])  # rounds to the output dtype once
 
 
-def mix_cpu(prefix, blocks, norm_weight, qk_weight, num_blocks, eps) -> torch.Tensor:
-    """Pre-norm mixture of ``blocks[:, :num_blocks]`` then ``prefix``, a new
-    ``prefix.dtype`` tensor (fp32 accumulation)."""
-    out = torch.empty(prefix.shape, dtype=prefix.dtype, device=prefix.device)
-    _attn_res_rows(prefix, None, blocks, norm_weight, qk_weight, None, num_blocks, -1, eps,
-                   0.0, out, None)
+def mix_cpu(a: AttnResArgs) -> torch.Tensor:
+    """Pre-norm mixture of ``blocks[:, :num_blocks]`` then ``prefix`` (``a`` is the pure
+    mixture form, ``AttnResArgs.mix``), a new ``prefix.dtype`` tensor (fp32 accumulation)."""
+    out = torch.empty(a.prefix.shape, dtype=a.prefix.dtype, device=a.prefix.device)
+    _attn_res_rows(a, out, None)
     return out
 
 
-def attn_res_cpu(
-    prefix,
-    delta,
-    blocks,
-    norm_weight,
-    qk_weight,
-    output_norm_weight,
-    num_blocks,
-    block_write_idx,
-    eps,
-    output_norm_eps,
-    *,
-    capture: bool = True,
-):
+def attn_res_cpu(a: AttnResArgs, *, capture: bool = True):
     """Returns ``(out, mixed)``; mutates prefix (delta) and blocks (write) in place.
 
     ``mixed`` is ``out`` itself when there is no output norm, and None when the
     caller does not capture (``capture=False``) and there is an output norm.
     """
-    out = torch.empty(prefix.shape, dtype=prefix.dtype, device=prefix.device)
+    out = torch.empty(a.prefix.shape, dtype=a.prefix.dtype, device=a.prefix.device)
     mixed = None
-    if capture and output_norm_weight is not None:
+    if capture and a.output_norm_weight is not None:
         mixed = torch.empty_like(out)
-    _attn_res_rows(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
-                   num_blocks, block_write_idx, eps, output_norm_eps, out, mixed)
-    return out, (out if output_norm_weight is None else mixed)
+    _attn_res_rows(a, out, mixed)
+    return out, (out if a.output_norm_weight is None else mixed)

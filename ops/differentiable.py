@@ -4,7 +4,7 @@
 ``kimi::attn_res`` / ``attn_res_capture`` stay inference ops: torch refuses
 ``register_autograd`` on an op that mutates its inputs, and a backward through one raises
 torch's "no autograd formula was registered" error. These two functions take the same
-arguments and have the same effects:
+arguments (positional or by name) and have the same effects:
 
 - when no tensor argument requires grad (or grad mode is off) they call the op itself,
   so inference (eager or ``torch.compile``) traces the very same ``kimi.attn_res`` node;
@@ -29,52 +29,47 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .attn_res_args import AttnResArgs
 from .validate import validate_sources
 
 
-def _wants_grad(*tensors) -> bool:
+def _wants_grad(a: AttnResArgs) -> bool:
     return torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in tensors)
+        t is not None and t.requires_grad for t in a.tensors)
 
 
-def _attn_res_parts(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
-                    num_blocks, block_write_idx, eps, output_norm_eps):
+def _attn_res_parts(a: AttnResArgs):
     """``(out, mixed)`` of ``kimi::attn_res_capture``, from differentiable parts."""
-    validate_sources(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
-                     num_blocks, block_write_idx, eps, output_norm_eps)
-    if delta is not None:
-        x = (prefix.float() + delta.float()).to(prefix.dtype)  # fp32 add, one rounding
+    validate_sources(a)
+    prefix, blocks, num_blocks = a.prefix, a.blocks, a.num_blocks
+    if a.delta is not None:
+        x = (prefix.float() + a.delta.float()).to(prefix.dtype)  # fp32 add, one rounding
         prefix.copy_(x)
     else:
         x = prefix.clone()  # the mixture keeps x; prefix may change in place later
-    if block_write_idx >= 0:
-        blocks[:, block_write_idx].copy_(x)
+    if a.block_write_idx >= 0:
+        blocks[:, a.block_write_idx].copy_(x)
     bank = blocks[:, :num_blocks].clone()  # later bank writes must not reach the saved slots
-    mixed = torch.ops.kimi.attn_res_mix(x, bank, norm_weight, qk_weight, num_blocks, eps)
-    if output_norm_weight is None:
+    mixed = torch.ops.kimi.attn_res_mix(x, bank, a.norm_weight, a.qk_weight, num_blocks, a.eps)
+    if a.output_norm_weight is None:
         return mixed, mixed
-    out = F.rms_norm(mixed.float(), mixed.shape[-1:], output_norm_weight.float(),
-                     output_norm_eps)
+    out = F.rms_norm(mixed.float(), mixed.shape[-1:], a.output_norm_weight.float(),
+                     a.output_norm_eps)
     return out.to(prefix.dtype), mixed
 
 
-def attn_res_differentiable(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
-                            num_blocks, block_write_idx, eps, output_norm_eps):
+def attn_res_differentiable(*args, **kwargs):
     """``kimi::attn_res`` that autograd can differentiate (see the module docstring)."""
-    args = (prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
-            num_blocks, block_write_idx, eps, output_norm_eps)
-    if not _wants_grad(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight):
-        return torch.ops.kimi.attn_res(*args)
-    return _attn_res_parts(*args)[0]
+    a = AttnResArgs(*args, **kwargs)
+    if not _wants_grad(a):
+        return torch.ops.kimi.attn_res(*a)
+    return _attn_res_parts(a)[0]
 
 
-def attn_res_capture_differentiable(prefix, delta, blocks, norm_weight, qk_weight,
-                                    output_norm_weight, num_blocks, block_write_idx, eps,
-                                    output_norm_eps):
+def attn_res_capture_differentiable(*args, **kwargs):
     """``kimi::attn_res_capture`` that autograd can differentiate: ``(out, mixed)``."""
-    args = (prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
-            num_blocks, block_write_idx, eps, output_norm_eps)
-    if not _wants_grad(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight):
-        return torch.ops.kimi.attn_res_capture(*args)
-    out, mixed = _attn_res_parts(*args)
+    a = AttnResArgs(*args, **kwargs)
+    if not _wants_grad(a):
+        return torch.ops.kimi.attn_res_capture(*a)
+    out, mixed = _attn_res_parts(a)
     return out, (mixed.clone() if out is mixed else mixed)  # two buffers, as the op

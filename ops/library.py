@@ -11,15 +11,20 @@ time.
   aux-stream pass swaps a tap's consumer to it, so a tap costs one ``[T,H]`` write.
 - ``attn_res_mix``: the pure pre-norm mixture, no mutation.
 - ``aux_tap``: the tap marker; the aux-stream pass removes every one.
+
+The schemas of ``attn_res`` and ``attn_res_capture`` (inferred from the parameter lists
+below) are the only places that spell the ten arguments; every kernel takes them as one
+``AttnResArgs`` record (``ops/attn_res_args.py``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from .attn_res_args import AttnResArgs
 from .conventions import MUTATED_ARGS
 from .cpu import attn_res_cpu, mix_cpu
-from .validate import validate_mix, validate_sources, validate_tap
+from .validate import validate_sources, validate_tap
 
 
 @torch.library.custom_op("kimi::attn_res", mutates_args=MUTATED_ARGS, device_types="cpu")
@@ -35,10 +40,10 @@ def attn_res(
     eps: float,
     output_norm_eps: float,
 ) -> torch.Tensor:
-    args = (prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
-            num_blocks, block_write_idx, eps, output_norm_eps)
-    validate_sources(*args)
-    return attn_res_cpu(*args, capture=False)[0]
+    a = AttnResArgs(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
+                    num_blocks, block_write_idx, eps, output_norm_eps)
+    validate_sources(a)
+    return attn_res_cpu(a, capture=False)[0]
 
 
 @torch.library.custom_op("kimi::attn_res_capture", mutates_args=MUTATED_ARGS, device_types="cpu")
@@ -54,10 +59,10 @@ def attn_res_capture(
     eps: float,
     output_norm_eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    args = (prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
-            num_blocks, block_write_idx, eps, output_norm_eps)
-    validate_sources(*args)
-    out, mixed = attn_res_cpu(*args)
+    a = AttnResArgs(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
+                    num_blocks, block_write_idx, eps, output_norm_eps)
+    validate_sources(a)
+    out, mixed = attn_res_cpu(a)
     if out is mixed:  # no output norm: the two outputs may not alias
         mixed = mixed.clone()
     return out, mixed
@@ -72,8 +77,9 @@ def attn_res_mix(
     num_blocks: int,
     eps: float,
 ) -> torch.Tensor:
-    validate_mix(prefix, blocks, norm_weight, qk_weight, num_blocks, eps)
-    mixed = mix_cpu(prefix, blocks, norm_weight, qk_weight, num_blocks, eps).to(prefix.dtype)
+    a = AttnResArgs.mix(prefix, blocks, norm_weight, qk_weight, num_blocks, eps)
+    validate_sources(a)
+    mixed = mix_cpu(a).to(prefix.dtype)
     return mixed.clone() if mixed is prefix else mixed
 
 
@@ -84,26 +90,29 @@ def aux_tap_op(x: torch.Tensor, capture_id: int) -> torch.Tensor:
     return x.clone()
 
 
+# The dispatcher hands kernels the schema's arguments positionally (it has no keyword-only
+# ones), whatever form the caller used: ``*args`` is the record in schema order.
+
+
 @attn_res.register_fake
-def _attn_res_fake(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
-                   num_blocks, block_write_idx, eps, output_norm_eps):
-    validate_sources(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
-                     num_blocks, block_write_idx, eps, output_norm_eps)
-    return torch.empty_like(prefix)
+def _attn_res_fake(*args):
+    a = AttnResArgs(*args)
+    validate_sources(a)
+    return torch.empty_like(a.prefix)
 
 
 @attn_res_capture.register_fake
-def _attn_res_capture_fake(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
-                           num_blocks, block_write_idx, eps, output_norm_eps):
-    validate_sources(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
-                     num_blocks, block_write_idx, eps, output_norm_eps)
-    return torch.empty_like(prefix), torch.empty_like(prefix)
+def _attn_res_capture_fake(*args):
+    a = AttnResArgs(*args)
+    validate_sources(a)
+    return torch.empty_like(a.prefix), torch.empty_like(a.prefix)
 
 
 @attn_res_mix.register_fake
-def _attn_res_mix_fake(prefix, blocks, norm_weight, qk_weight, num_blocks, eps):
-    validate_mix(prefix, blocks, norm_weight, qk_weight, num_blocks, eps)
-    return torch.empty_like(prefix)
+def _attn_res_mix_fake(*args):
+    a = AttnResArgs.mix(*args)
+    validate_sources(a)
+    return torch.empty_like(a.prefix)
 
 
 @aux_tap_op.register_fake

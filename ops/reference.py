@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .attn_res_args import AttnResArgs
+
 
 def attn_res_mix_reference(prefix, blocks, norm_weight, qk_weight, num_blocks, eps):
     """Pre-norm mixture of ``blocks[:, :num_blocks]`` and ``prefix``, in fp32."""
@@ -21,29 +23,21 @@ def attn_res_mix_reference(prefix, blocks, norm_weight, qk_weight, num_blocks, e
     return (p[:, None] @ values)[:, 0]
 
 
-def attn_res_reference(
-    prefix,
-    delta,
-    blocks,
-    norm_weight,
-    qk_weight,
-    output_norm_weight,
-    num_blocks,
-    block_write_idx,
-    eps,
-    output_norm_eps,
-    *,
-    return_mix: bool = False,
-):
-    """Reference for ``kimi::attn_res`` with its in-place effects on prefix and blocks."""
-    if delta is not None:
-        prefix.copy_((prefix.float() + delta.float()).to(prefix.dtype))
-    if block_write_idx >= 0:
-        blocks[:, block_write_idx] = prefix
-    mixed = attn_res_mix_reference(prefix, blocks, norm_weight, qk_weight, num_blocks, eps)
+def attn_res_reference(*args, return_mix: bool = False, **kwargs):
+    """Reference for ``kimi::attn_res`` (its arguments, positional or by name) with its
+    in-place effects on prefix and blocks; ``return_mix``: also the pre-norm mixture."""
+    a = AttnResArgs(*args, **kwargs)
+    prefix = a.prefix
+    if a.delta is not None:
+        prefix.copy_((prefix.float() + a.delta.float()).to(prefix.dtype))
+    if a.block_write_idx >= 0:
+        a.blocks[:, a.block_write_idx] = prefix
+    mixed = attn_res_mix_reference(prefix, a.blocks, a.norm_weight, a.qk_weight, a.num_blocks,
+                                   a.eps)
     out = mixed
-    if output_norm_weight is not None:
-        out = F.rms_norm(mixed, (mixed.shape[-1],), output_norm_weight.float(), output_norm_eps)
+    if a.output_norm_weight is not None:
+        out = F.rms_norm(mixed, (mixed.shape[-1],), a.output_norm_weight.float(),
+                         a.output_norm_eps)
     if return_mix:
         return out.to(prefix.dtype), mixed.to(prefix.dtype)
     return out.to(prefix.dtype)

@@ -56,8 +56,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .attn_res_args import AttnResArgs
 from .triton_chunked import CHUNKED_KERNEL, INTERPRETED, jit, round_bf16_rtne
-from .validate import AttnResArgumentError, validate_mix, validate_sources
+from .validate import AttnResArgumentError, validate_sources
 
 
 def _attn_res_kernel(
@@ -212,8 +213,8 @@ def launch_config(H: int, dtype: torch.dtype, aligned: bool = True, slots: int =
     return _KERNEL, dict(BLOCK_H=block_h, PREFETCH=prefetch, num_warps=_num_warps(block_h))
 
 
-def _check_unit_stride(**tensors: torch.Tensor | None) -> None:
-    for name, t in tensors.items():
+def _check_unit_stride(a: AttnResArgs) -> None:
+    for name, t in zip(a._fields, a.tensors, strict=False):  # the tensors are the first fields
         if t is not None and t.shape[-1] > 1 and t.stride(-1) != 1:
             raise AttnResArgumentError(
                 f"kimi attn_res (triton): {name} must have a unit-stride last dimension, got "
@@ -222,26 +223,15 @@ def _check_unit_stride(**tensors: torch.Tensor | None) -> None:
             )
 
 
-def _launch(
-    prefix,
-    delta,
-    blocks,
-    norm_weight,
-    qk_weight,
-    output_norm_weight,
-    num_blocks,
-    block_write_idx,
-    eps,
-    output_norm_eps,
-    out,
-    mixed,
-) -> None:
+def _launch(a: AttnResArgs, out, mixed) -> None:
+    prefix, delta, num_blocks, output_norm_weight = (
+        a.prefix, a.delta, a.num_blocks, a.output_norm_weight)
     T, H = prefix.shape
     if T == 0 or H == 0:
         return
-    do_write = block_write_idx >= 0
+    do_write = a.block_write_idx >= 0
     # skip_idx: the written slot (not loaded: sourced from registers), else num_blocks.
-    skip_idx = block_write_idx if do_write else num_blocks
+    skip_idx = a.block_write_idx if do_write else num_blocks
     if prefix.device.type == "cpu" and not INTERPRETED:
         raise RuntimeError(
             "kimi attn_res (triton): CPU tensors need the Triton interpreter; set "
@@ -250,10 +240,10 @@ def _launch(
     args = (
         prefix,
         delta if delta is not None else prefix,
-        blocks,
-        norm_weight,
-        qk_weight,
-        output_norm_weight if output_norm_weight is not None else norm_weight,
+        a.blocks,
+        a.norm_weight,
+        a.qk_weight,
+        output_norm_weight if output_norm_weight is not None else a.norm_weight,
         out if out is not None else prefix,
         mixed if mixed is not None else prefix,
         H,
@@ -261,17 +251,17 @@ def _launch(
         skip_idx,
         prefix.stride(0),
         delta.stride(0) if delta is not None else 0,
-        blocks.stride(0),
-        blocks.stride(1),
+        a.blocks.stride(0),
+        a.blocks.stride(1),
         out.stride(0) if out is not None else 0,
         mixed.stride(0) if mixed is not None else 0,
-        float(eps),
-        float(output_norm_eps),
+        float(a.eps),
+        float(a.output_norm_eps),
     )
     # Triton specialises a pointer on 16-byte alignment and an int on divisibility by 16.
-    aligned = all(a.data_ptr() % 16 == 0 for a in args[:8]) and all(
+    aligned = all(t.data_ptr() % 16 == 0 for t in args[:8]) and all(
         n % 16 == 0 for n in (H, *args[11:17]))
-    kernel, cfg = launch_config(H, prefix.dtype, aligned, blocks.shape[1])
+    kernel, cfg = launch_config(H, prefix.dtype, aligned, a.blocks.shape[1])
     flags = dict(
         HAS_DELTA=delta is not None,
         DO_WRITE=do_write,
@@ -288,59 +278,35 @@ def _launch(
             kernel[(T,)](*args, **flags)
 
 
-def attn_res_triton(
-    prefix,
-    delta,
-    blocks,
-    norm_weight,
-    qk_weight,
-    output_norm_weight,
-    num_blocks,
-    block_write_idx,
-    eps,
-    output_norm_eps,
-) -> torch.Tensor:
+# The public launches take the op's arguments as the op does (positional or by name).
+
+
+def attn_res_triton(*args, **kwargs) -> torch.Tensor:
     """``kimi::attn_res`` on the tensors' device; mutates ``prefix`` and ``blocks``."""
-    args = (prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
-            num_blocks, block_write_idx, eps, output_norm_eps)
-    validate_sources(*args)
-    _check_unit_stride(prefix=prefix, delta=delta, blocks=blocks, norm_weight=norm_weight,
-                       qk_weight=qk_weight, output_norm_weight=output_norm_weight)
-    out = torch.empty(prefix.shape, dtype=prefix.dtype, device=prefix.device)
-    _launch(*args, out, None)
+    a = AttnResArgs(*args, **kwargs)
+    validate_sources(a)
+    _check_unit_stride(a)
+    out = torch.empty(a.prefix.shape, dtype=a.prefix.dtype, device=a.prefix.device)
+    _launch(a, out, None)
     return out
 
 
-def attn_res_capture_triton(
-    prefix,
-    delta,
-    blocks,
-    norm_weight,
-    qk_weight,
-    output_norm_weight,
-    num_blocks,
-    block_write_idx,
-    eps,
-    output_norm_eps,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def attn_res_capture_triton(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """``kimi::attn_res_capture``: ``(out, mixed)``, two distinct buffers."""
-    args = (prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
-            num_blocks, block_write_idx, eps, output_norm_eps)
-    validate_sources(*args)
-    _check_unit_stride(prefix=prefix, delta=delta, blocks=blocks, norm_weight=norm_weight,
-                       qk_weight=qk_weight, output_norm_weight=output_norm_weight)
-    out = torch.empty(prefix.shape, dtype=prefix.dtype, device=prefix.device)
-    mixed = torch.empty(prefix.shape, dtype=prefix.dtype, device=prefix.device)
-    _launch(*args, out, mixed)
+    a = AttnResArgs(*args, **kwargs)
+    validate_sources(a)
+    _check_unit_stride(a)
+    out = torch.empty(a.prefix.shape, dtype=a.prefix.dtype, device=a.prefix.device)
+    mixed = torch.empty(a.prefix.shape, dtype=a.prefix.dtype, device=a.prefix.device)
+    _launch(a, out, mixed)
     return out, mixed
 
 
-def attn_res_mix_triton(prefix, blocks, norm_weight, qk_weight, num_blocks, eps) -> torch.Tensor:
+def attn_res_mix_triton(*args, **kwargs) -> torch.Tensor:
     """``kimi::attn_res_mix``: the pre-norm mixture, a pure read."""
-    validate_mix(prefix, blocks, norm_weight, qk_weight, num_blocks, eps)
-    _check_unit_stride(prefix=prefix, blocks=blocks, norm_weight=norm_weight,
-                       qk_weight=qk_weight)
-    mixed = torch.empty(prefix.shape, dtype=prefix.dtype, device=prefix.device)
-    _launch(prefix, None, blocks, norm_weight, qk_weight, None, num_blocks, -1, eps, 0.0,
-            None, mixed)
+    a = AttnResArgs.mix(*args, **kwargs)
+    validate_sources(a)
+    _check_unit_stride(a)
+    mixed = torch.empty(a.prefix.shape, dtype=a.prefix.dtype, device=a.prefix.device)
+    _launch(a, None, mixed)
     return mixed

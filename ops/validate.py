@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from .attn_res_args import AttnResArgs
+
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -27,24 +29,14 @@ def _check_rank(name: str, t: torch.Tensor, rank: int, layout: str) -> None:
         )
 
 
-def validate_sources(
-    prefix: torch.Tensor,
-    delta: torch.Tensor | None,
-    blocks: torch.Tensor,
-    norm_weight: torch.Tensor,
-    qk_weight: torch.Tensor,
-    output_norm_weight: torch.Tensor | None,
-    num_blocks: int,
-    block_write_idx: int,
-    eps: float,
-    output_norm_eps: float,
-) -> None:
+def validate_sources(a: AttnResArgs) -> None:
     """Check ranks, shapes, dtypes, devices and index ranges; raise naming the culprit."""
+    prefix, delta, blocks, output_norm_weight = a.prefix, a.delta, a.blocks, a.output_norm_weight
     _check_rank("prefix", prefix, 2, "[T, H]")
     if delta is not None:
         _check_rank("delta", delta, 2, "[T, H]")
     _check_rank("blocks", blocks, 3, "[T, NB, H]")
-    weights = [("norm_weight", norm_weight), ("qk_weight", qk_weight)]
+    weights = [("norm_weight", a.norm_weight), ("qk_weight", a.qk_weight)]
     if output_norm_weight is not None:
         weights.append(("output_norm_weight", output_norm_weight))
     for name, w in weights:
@@ -82,6 +74,7 @@ def validate_sources(
                 f"(shape {tuple(t.shape)}) but prefix has T={T}"
             )
     nb_total = blocks.shape[1]
+    num_blocks, block_write_idx = a.num_blocks, a.block_write_idx
     if not 0 <= num_blocks <= nb_total:
         _fail(
             f"kimi attn_res: num_blocks={num_blocks} is outside [0, {nb_total}] "
@@ -92,13 +85,14 @@ def validate_sources(
             f"kimi attn_res: block_write_idx={block_write_idx} is outside "
             f"[-1, {nb_total}) (blocks has NB={nb_total} slots; -1 means no write)"
         )
-    for name, value in (("eps", eps), ("output_norm_eps", output_norm_eps)):
+    for name, value in (("eps", a.eps), ("output_norm_eps", a.output_norm_eps)):
         if not value >= 0.0:
             _fail(f"kimi attn_res: {name}={value} must be a non-negative float")
 
 
-def validate_mix(prefix, blocks, norm_weight, qk_weight, num_blocks, eps) -> None:
-    validate_sources(prefix, None, blocks, norm_weight, qk_weight, None, num_blocks, -1, eps, 0.0)
+def validate_mix(*args) -> None:
+    """``validate_sources`` for ``kimi::attn_res_mix``'s six arguments."""
+    validate_sources(AttnResArgs.mix(*args))
 
 
 def validate_tap(x: torch.Tensor, capture_id: int) -> None:

@@ -1,0 +1,42 @@
+"""``AttnResArgs``: the arguments of ``kimi::attn_res`` / ``attn_res_capture``, as one record.
+
+The two registered schemas (``ops/library.py``) spell the ten arguments, as schema
+inference needs; every other function of the op family (fake and CUDA kernels, checks,
+CPU path, Triton launches, the differentiable and reference statements) passes this
+record, so the order and the names live in one place. ``kimi::attn_res_mix`` is the same
+computation with no delta, no block write and no output norm: ``AttnResArgs.mix``.
+
+A ``NamedTuple``: built for every eager call, it costs one tuple, and ``*record`` gives
+the op's positional arguments back.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class AttnResArgs(NamedTuple):
+    """``kimi::attn_res``'s arguments in schema order (docs/design.md section 3)."""
+
+    prefix: torch.Tensor  # [T, H], updated in place by delta
+    delta: torch.Tensor | None  # [T, H]
+    blocks: torch.Tensor  # [T, NB, H], slot block_write_idx written in place
+    norm_weight: torch.Tensor  # [H]
+    qk_weight: torch.Tensor  # [H]
+    output_norm_weight: torch.Tensor | None  # [H]
+    num_blocks: int  # slots mixed: blocks[:, :num_blocks], then prefix
+    block_write_idx: int  # -1: no write
+    eps: float
+    output_norm_eps: float
+
+    @classmethod
+    def mix(cls, prefix, blocks, norm_weight, qk_weight, num_blocks, eps) -> AttnResArgs:
+        """``kimi::attn_res_mix``'s arguments as the pure-mixture form of the record."""
+        return cls(prefix, None, blocks, norm_weight, qk_weight, None, num_blocks, -1, eps, 0.0)
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor | None, ...]:
+        """The tensor arguments (the first six fields; None where absent)."""
+        return self[:6]
