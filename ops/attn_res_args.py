@@ -1,10 +1,13 @@
 """``AttnResArgs``: the arguments of ``kimi::attn_res`` / ``attn_res_capture``, as one record.
 
-The two registered schemas (``ops/library.py``) spell the ten arguments, as schema
-inference needs; every other function of the op family (fake and CUDA kernels, checks,
-CPU path, Triton launches, the differentiable and reference statements) passes this
-record, so the order and the names live in one place. ``kimi::attn_res_mix`` is the same
-computation with no delta, no block write and no output norm: ``AttnResArgs.mix``.
+The ten arguments are spelled here only. The two mutating ops' schemas are inferred from
+this record (``record_signature``: ``torch.library.custom_op`` reads an op's schema off its
+function's signature), and every other function of the op family (fake and CUDA kernels,
+checks, CPU path, Triton launches, the differentiable and reference statements) passes the
+record, so the order, the names and the types live in one place. The registered schemas
+are pinned in tests/test_ops.py: reordering the fields is an ABI change, seen there.
+``kimi::attn_res_mix`` is the same computation with no delta, no block write and no output
+norm: ``AttnResArgs.mix``.
 
 A ``NamedTuple``: built for every eager call, it costs one tuple, and ``*record`` gives
 the op's positional arguments back.
@@ -12,6 +15,8 @@ the op's positional arguments back.
 
 from __future__ import annotations
 
+import inspect
+import typing
 from typing import NamedTuple
 
 import torch
@@ -40,3 +45,21 @@ class AttnResArgs(NamedTuple):
     def tensors(self) -> tuple[torch.Tensor | None, ...]:
         """The tensor arguments (the first six fields; None where absent)."""
         return self[:6]
+
+
+def record_signature(returns):
+    """Decorate a ``*args`` op function with ``AttnResArgs``' fields as its signature.
+
+    ``torch.library.custom_op`` infers the schema from ``inspect.signature`` of the function,
+    which reads ``__signature__``: the schema then takes the record's names, types and order.
+    """
+    fields = typing.get_type_hints(AttnResArgs)
+    signature = inspect.Signature(
+        [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=hint)
+         for name, hint in fields.items()], return_annotation=returns)
+
+    def decorate(fn):
+        fn.__signature__ = signature
+        return fn
+
+    return decorate

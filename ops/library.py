@@ -12,55 +12,33 @@ time.
 - ``attn_res_mix``: the pure pre-norm mixture, no mutation.
 - ``aux_tap``: the tap marker; the aux-stream pass removes every one.
 
-The schemas of ``attn_res`` and ``attn_res_capture`` (inferred from the parameter lists
-below) are the only places that spell the ten arguments; every kernel takes them as one
-``AttnResArgs`` record (``ops/attn_res_args.py``).
+The ten arguments of ``attn_res`` and ``attn_res_capture`` are one record,
+``AttnResArgs`` (``ops/attn_res_args.py``): their schemas are inferred from its fields and
+every kernel takes it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .attn_res_args import AttnResArgs
+from .attn_res_args import AttnResArgs, record_signature
 from .conventions import MUTATED_ARGS
 from .cpu import attn_res_cpu, mix_cpu
 from .validate import validate_sources, validate_tap
 
 
 @torch.library.custom_op("kimi::attn_res", mutates_args=MUTATED_ARGS, device_types="cpu")
-def attn_res(
-    prefix: torch.Tensor,
-    delta: torch.Tensor | None,
-    blocks: torch.Tensor,
-    norm_weight: torch.Tensor,
-    qk_weight: torch.Tensor,
-    output_norm_weight: torch.Tensor | None,
-    num_blocks: int,
-    block_write_idx: int,
-    eps: float,
-    output_norm_eps: float,
-) -> torch.Tensor:
-    a = AttnResArgs(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
-                    num_blocks, block_write_idx, eps, output_norm_eps)
+@record_signature(returns=torch.Tensor)
+def attn_res(*args) -> torch.Tensor:
+    a = AttnResArgs(*args)
     validate_sources(a)
     return attn_res_cpu(a, capture=False)[0]
 
 
 @torch.library.custom_op("kimi::attn_res_capture", mutates_args=MUTATED_ARGS, device_types="cpu")
-def attn_res_capture(
-    prefix: torch.Tensor,
-    delta: torch.Tensor | None,
-    blocks: torch.Tensor,
-    norm_weight: torch.Tensor,
-    qk_weight: torch.Tensor,
-    output_norm_weight: torch.Tensor | None,
-    num_blocks: int,
-    block_write_idx: int,
-    eps: float,
-    output_norm_eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    a = AttnResArgs(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
-                    num_blocks, block_write_idx, eps, output_norm_eps)
+@record_signature(returns=tuple[torch.Tensor, torch.Tensor])
+def attn_res_capture(*args) -> tuple[torch.Tensor, torch.Tensor]:
+    a = AttnResArgs(*args)
     validate_sources(a)
     out, mixed = attn_res_cpu(a)
     if out is mixed:  # no output norm: the two outputs may not alias

@@ -536,3 +536,44 @@ def test_aux_tap_compiled_no_graph_break():
     torch._dynamo.reset()
     tapped = torch.compile(f, fullgraph=True)(x)  # default backend (inductor)
     assert torch.equal(tapped, x)
+
+
+# --------------------------------------------------------------------------- schemas
+
+#: The registered schemas, as users and vLLM call them. attn_res / attn_res_capture are
+#: inferred from the AttnResArgs record: reordering or retyping its fields changes them.
+SCHEMAS = {
+    "attn_res": "kimi::attn_res(Tensor(a0!) prefix, Tensor? delta, Tensor(a2!) blocks, "
+                "Tensor norm_weight, Tensor qk_weight, Tensor? output_norm_weight, "
+                "SymInt num_blocks, SymInt block_write_idx, float eps, float output_norm_eps)"
+                " -> Tensor",
+    "attn_res_capture": "kimi::attn_res_capture(Tensor(a0!) prefix, Tensor? delta, "
+                        "Tensor(a2!) blocks, Tensor norm_weight, Tensor qk_weight, "
+                        "Tensor? output_norm_weight, SymInt num_blocks, SymInt block_write_idx,"
+                        " float eps, float output_norm_eps) -> (Tensor, Tensor)",
+    "attn_res_mix": "kimi::attn_res_mix(Tensor prefix, Tensor blocks, Tensor norm_weight, "
+                    "Tensor qk_weight, SymInt num_blocks, float eps) -> Tensor",
+    "attn_res_mix_list": "kimi::attn_res_mix_list(Tensor[] sources, Tensor? norm_weight, "
+                         "Tensor qk_weight, float eps, ScalarType? out_dtype=None) -> Tensor",
+    "aux_tap": "kimi::aux_tap(Tensor x, SymInt capture_id) -> Tensor",
+    "attn_res_mix_backward": "kimi::attn_res_mix_backward(Tensor grad, Tensor prefix, "
+                             "Tensor blocks, Tensor norm_weight, Tensor qk_weight, "
+                             "SymInt num_blocks, float eps, bool need_prefix, bool need_blocks,"
+                             " bool need_weights) -> (Tensor, Tensor, Tensor)",
+    "attn_res_mix_list_backward": "kimi::attn_res_mix_list_backward(Tensor grad, "
+                                  "Tensor[] sources, Tensor? norm_weight, Tensor qk_weight, "
+                                  "float eps, bool need_sources, bool need_weights) -> "
+                                  "(Tensor[], Tensor)",
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_registered_schemas_are_unchanged(name):
+    assert str(getattr(OPS, name).default._schema) == SCHEMAS[name]
+
+
+def test_the_record_is_the_mutating_ops_argument_list():
+    from kimi_passes.ops.attn_res_args import AttnResArgs
+
+    for op in (OPS.attn_res, OPS.attn_res_capture):
+        assert [a.name for a in op.default._schema.arguments] == list(AttnResArgs._fields)
