@@ -59,8 +59,14 @@ Otherwise ``attn_res_mix_list(sources, norm_weight?, qk_weight, eps, out_dtype)`
 keeps the wide dtype. Tensors outside the matched region (the weights) are peeled
 through views and widening casts.
 
-Dynamic shapes: symbolic sizes are compared with sympy; sizes the rewrite needs are read
-off the sources with ``sym_size``. The number of sources must be static.
+Dynamic shapes: sizes are ints or SymInts (``meta["val"]`` shapes), multiplied as
+SymInts and compared with ``statically_known_true(a == b)`` (``values.same_size``): an
+equality the shape environment cannot prove is a mismatch, and no guard is installed.
+Inductor's passes use ``V.graph.sizevars``, which does not exist yet when post-grad
+custom passes run (before ``GraphLowering``), nor ever on the pre-autograd path. Sizes
+the rewrite needs are read off the sources with ``sym_size``. The number of sources must
+be static. The one float tolerance is ``rules._is_mean``'s, for a model that writes 1/H
+as a literal.
 
 ``last_fused`` counts the sites fused by the last call (``last_sites`` describes them);
 an INFO line on logger ``kimi_passes`` says the same. With ``KIMI_PASSES_FUSION_DEBUG=1``
