@@ -463,3 +463,124 @@ def test_mix_list_validation(case, message):
         OPS.attn_res_mix_list(s, w, q, eps)
     assert message in str(info.value)
     assert "kimi attn_res_mix_list" in str(info.value)
+
+
+# --------------------------------------------------------------------------- mean of squares
+
+
+def mean_square_site(spelling: str, hidden: int):
+    """A stacked mixture whose mean of squares over the hidden axis is spelled ``spelling``."""
+
+    def fn(a, b, c, query):
+        values = torch.stack([a, b, c], dim=1)
+        if spelling == "mean":
+            ms = values.pow(2).mean(-1, keepdim=True)
+        elif spelling == "sum_div_literal":  # 1/H written as a literal divisor
+            ms = values.pow(2).sum(-1, keepdim=True) / hidden
+        elif spelling == "sum_times_inverse":  # ... or as a literal factor 1/H
+            ms = (values * values).sum(-1, keepdim=True) * (1 / hidden)
+        elif spelling == "mean_times_2":
+            ms = values.pow(2).mean(-1, keepdim=True) * 2
+        keys = values * torch.rsqrt(ms + EPS)
+        p = (keys @ query).softmax(-1)
+        return torch.einsum("tn,tnh->th", p, values)
+
+    return fn
+
+
+@pytest.mark.parametrize("spelling,hidden,fused", [
+    ("mean", H, True),
+    ("sum_div_literal", 4096, True),
+    ("sum_times_inverse", 7168, True),
+    # (1 / 49) * 49 is 0.9999999999999999 in floats: the tolerance for a literal 1/H.
+    ("sum_times_inverse", 49, True),
+    ("mean_times_2", H, False),
+    ("sum_div_literal", 2 * H, False),  # sum / 32 over H = 16: half the mean
+])
+def test_mean_of_squares_spellings(spelling, hidden, fused):
+    width = hidden if fused or spelling == "mean_times_2" else H
+    fn = mean_square_site(spelling, hidden)
+    args = [rnd(T, width, seed=s) for s in range(3)] + [rnd(width, seed=9, scale=0.5)]
+    torch._dynamo.reset()  # another H for the same code would make Dynamo mark H dynamic
+    out, rec = compile_recorded(fn, *args)
+    fp = fusion_pass(rec)
+    if fused:
+        assert fp.last_fused == 1, [str(m) for m in fp.last_misses]
+        assert rec.last.counts()["attn_res_mix_list"] == 1
+    else:
+        assert fp.last_fused == 0
+        assert len(fp.last_misses) == 1 and "not the mean" in str(fp.last_misses[0])
+    torch.testing.assert_close(out, fn(*args), **FP32)
+
+
+def test_literal_against_symbolic_hidden_size_is_not_the_mean():
+    """``sum / 16`` is the mean only where H is 16: with H symbolic, the site is refused."""
+    fn = mean_square_site("sum_div_literal", H)
+    args = [rnd(T, H, seed=s) for s in range(3)] + [rnd(H, seed=9, scale=0.5)]
+    for x in args:
+        torch._dynamo.mark_dynamic(x, x.dim() - 1)
+    torch._dynamo.reset()
+    out, rec = compile_recorded(fn, *args)
+    assert "Sym(" in rec.last.text()  # the hidden size stayed symbolic
+    fp = fusion_pass(rec)
+    assert fp.last_fused == 0
+    assert len(fp.last_misses) == 1 and "not the mean" in str(fp.last_misses[0])
+    torch.testing.assert_close(out, fn(*args), **FP32)
+
+
+# --------------------------------------------------------------------------- dynamic shapes
+
+
+def linear_query_batched(a, b, c, weight):
+    """[B, T, H] sources stacked on dim 0; F.linear flattens [3, B, T, H] to [3*B*T, H]."""
+    values = torch.stack([a, b, c], dim=0)
+    keys = F.rms_norm(values, (values.shape[-1],), eps=EPS)
+    p = F.linear(keys, weight).squeeze(-1).softmax(0)
+    return (p[..., None] * values).sum(0)
+
+
+def _dynamic_args(fn, t: int, seed: int):
+    """``fn``'s inputs with ``t`` tokens, and the dims that hold the tokens (or batch)."""
+    if fn is bank_manual_norm_matmul:
+        return (rnd(t, 4, H, seed=seed), rnd(t, H, seed=seed + 1),
+                rnd(H, seed=seed + 2, scale=0.5)), [(0,), (0,), ()]
+    if fn is stack_rmsnorm_einsum:
+        return ((rnd(t, H, seed=seed), rnd(t, H, seed=seed + 1), rnd(t, H, seed=seed + 2),
+                 1 + 0.1 * rnd(H, seed=seed + 3), rnd(H, seed=seed + 4, scale=0.5)),
+                [(0,), (0,), (0,), (), ()])
+    return ((*(rnd(2, t, H, seed=seed + i) for i in range(3)),
+             rnd(1, H, seed=seed + 3, scale=0.5)), [(0, 1)] * 3 + [()])
+
+
+@pytest.mark.parametrize("fn,op", [
+    (bank_manual_norm_matmul, "attn_res_mix"),
+    (stack_rmsnorm_einsum, "attn_res_mix_list"),
+    (linear_query_batched, "attn_res_mix_list"),
+])
+def test_dynamic_tokens_one_compile_matches_inductor(fn, op):
+    """Tokens (and batch) marked dynamic: one compile, size checks on SymInts, fused."""
+    token_counts = (5, 9, 17)
+    rec = GraphRecorder(make_kimi_backend())
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=rec, fullgraph=True)
+    outs = []
+    for i, t in enumerate(token_counts):
+        args, dyn = _dynamic_args(fn, t, seed=t)
+        for x, dims in zip(args, dyn, strict=True):
+            for d in dims:
+                torch._dynamo.mark_dynamic(x, d)
+        with torch.no_grad(), torch.compiler.set_stance(
+                "fail_on_recompile" if i else "default"):
+            outs.append((args, compiled(*args)))
+    assert len(rec.graphs) == 1
+    text = rec.last.text()
+    assert "Sym(" in text, text  # the sizes the pass compared were symbolic
+    fp = fusion_pass(rec)
+    assert fp.last_fused == 1, [str(m) for m in fp.last_misses]
+    assert rec.last.counts()[op] == 1
+    assert count(rec.last.after, aten.cat.default) == 0
+    torch._dynamo.reset()
+    inductor = torch.compile(fn, fullgraph=True, dynamic=True)
+    for args, out in outs:
+        with torch.no_grad():
+            torch.testing.assert_close(out, inductor(*args), **FP32)

@@ -13,12 +13,37 @@ below); ``evaluator`` (with ``state``, ``rules``, ``axes`` and ``values``) recog
 plain-torch mixture (step 3); ``sources`` splits the stacked root into its sources (step
 4); ``rewrite`` emits the kimi op; ``grad_anchor`` keeps inputs' gradients in training.
 
-Why a hand-written evaluator and not ``register_replacement``: a replacement pattern is
-one traced graph, and these sites come in a product of spellings (the stacking layout
-and source dim, einsum lowered to ``bmm``, ``mm`` or mul+sum, ``Linear`` with or without
-bias, casts on the way, ``softmax`` or its decomposition). Each combination would need
-its own traced variant. The number of sources is not the obstacle: the evaluator works
-on one stacked root, whatever its source count.
+Why a hand-written evaluator and not Inductor's pattern matcher
+(``register_replacement`` / ``PatternMatcherPass``): a replacement pattern is one traced
+graph, matched by op structure only. ``gen_pattern`` makes every int and float argument,
+and every list of them, a wildcard (view sizes, reduction and softmax dims, permute
+orders, eps, a 1/H literal), while a traced ``cat`` keeps the fixed-length list of
+sources it was traced with. So each spelling of a site needs its own traced pattern, and
+what makes it an AttnRes mixture would still be checked in an ``extra_check`` per
+pattern: the reductions run over the hidden axis and the softmax over the source axis,
+the views and permutes carry those axes through, the sum of squares is the mean, the
+weighted sum reads the exact sources the keys came from. The spellings multiply: the
+fuzz's generator (tests/fusion_programs.py) alone draws 5 gathers (stack or cat on two
+layouts, a bank slice and a prefix) x 4 norms x 3 weight placements x 5 query dots x 4
+softmaxes x 2 temperatures x 3 key casts x 2 probability dtypes x 4 weighted sums, about
+6 x 10^4 combinations per source count, before the spellings it does not draw (``mv`` in
+training graphs, ``sum * (1/H)``, a cast of the output). Lowering folds many of them
+into one post-grad graph (stack and cat, einsum and matmul), but by a rough count
+thousands of patterns remain, times each source count, times the training (joint)
+graphs. Tracing one AttnRes site costs about 70 ms with ``fwd_only`` and 280 ms with
+``joint_fwd_bwd`` (measured on the CPU dev box): a thousand patterns is over a minute at
+first compile, unless they are generated and checked in for each torch release the way
+Inductor ships its 30 SDPA spellings (x training/inference x fp32/half) pre-serialized
+in ``torch/_inductor/fx_passes/serialized_patterns``; and no pattern says "any number of
+sources" or "the source axis anywhere". The hand-written evaluator costs one walk per
+softmax and candidate root over the nodes between the stacked sources and the weighted
+sum (the whole pass takes about 26 ms on the tiny K3 graph: 620 nodes, 9 sites), covers
+any source count and axis layout with one set of rules, and says why a softmax was not
+fused. Its price: about 1,700 lines in ``kimi_passes/fusion`` to maintain (an op a new
+torch release decomposes differently must be taught to ``rules.HANDLERS``), and
+soundness that is ours to show, hence the random-program fuzz against plain Inductor,
+near misses included (tests/fusion_programs.py and
+tests/test_fusion_vs_inductor_fuzz.py, about 700 lines), on top of the goldens.
 
 How a site is recognised:
 
@@ -59,8 +84,14 @@ Otherwise ``attn_res_mix_list(sources, norm_weight?, qk_weight, eps, out_dtype)`
 keeps the wide dtype. Tensors outside the matched region (the weights) are peeled
 through views and widening casts.
 
-Dynamic shapes: symbolic sizes are compared with sympy; sizes the rewrite needs are read
-off the sources with ``sym_size``. The number of sources must be static.
+Dynamic shapes: sizes are ints or SymInts (``meta["val"]`` shapes), multiplied as
+SymInts and compared with ``statically_known_true(a == b)`` (``values.same_size``): an
+equality the shape environment cannot prove is a mismatch, and no guard is installed.
+Inductor's passes use ``V.graph.sizevars``, which does not exist yet when post-grad
+custom passes run (before ``GraphLowering``), nor ever on the pre-autograd path. Sizes
+the rewrite needs are read off the sources with ``sym_size``. The number of sources must
+be static. The one float tolerance is ``rules._is_mean``'s, for a model that writes 1/H
+as a literal.
 
 ``last_fused`` counts the sites fused by the last call (``last_sites`` describes them);
 an INFO line on logger ``kimi_passes`` says the same. With ``KIMI_PASSES_FUSION_DEBUG=1``

@@ -1,12 +1,15 @@
 """How views, broadcasts and reshapes move the root's named axes (for the mixture evaluator).
 
 A value's ``dims`` say, per tensor dim, which root axes it holds (``()``: size 1).
-``sizes`` maps each axis name to its size.
+``sizes`` maps each axis name to its size (an int, or a SymInt under dynamic shapes);
+sizes are multiplied as SymInts and compared with ``values.same_size``
+(``statically_known_true``, no guard).
 """
 
 from __future__ import annotations
 
-import sympy
+import math
+
 import torch
 from torch.fx import Node
 
@@ -16,7 +19,6 @@ from kimi_passes.fusion.values import (
     normalize_dim,
     same_size,
     shape_of,
-    size_expr,
 )
 from kimi_passes.passes.fx_toolkit import COPIES
 
@@ -45,11 +47,11 @@ def view_dims(node: Node, dims: tuple, sizes: dict, where: str) -> tuple:
             if is_one(s):
                 new.append(())
                 continue
-            group, prod = [], sympy.Integer(1)
+            group, prod = [], 1
             while seq and not same_size(prod, s):
                 a = seq.pop(0)
                 group.append(a)
-                prod = prod * size_expr(sizes[a])
+                prod = prod * sizes[a]
             if not same_size(prod, s):
                 raise NoMatch(f"{where}: the reshape splits a root axis")
             new.append(tuple(group))
@@ -112,8 +114,5 @@ def check_dims(node: Node, dims: tuple, sizes: dict, where: str) -> None:
     if len(shape) != len(dims):
         raise NoMatch(f"{where}: rank {len(shape)} but {len(dims)} tracked dims")
     for s, d in zip(shape, dims, strict=True):
-        size = sympy.Integer(1)
-        for a in d:
-            size = size * size_expr(sizes[a])
-        if not same_size(size, s):
+        if not same_size(math.prod(sizes[a] for a in d), s):
             raise NoMatch(f"{where}: dim of size {s} holds axes {d}")

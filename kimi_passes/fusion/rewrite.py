@@ -17,7 +17,14 @@ from torch.fx import Graph, Node
 
 from kimi_passes.fusion.axes import VIEWS
 from kimi_passes.fusion.sources import SourceRun
-from kimi_passes.fusion.values import NoMatch, numel, same_size, shape_of, size_expr
+from kimi_passes.fusion.values import (
+    NoMatch,
+    numel,
+    same_shape,
+    same_size,
+    shape_of,
+    static_int,
+)
 from kimi_passes.passes.fx_toolkit import (
     CASTS,
     call_function,
@@ -78,7 +85,9 @@ class _Emitter:
         self.differentiable = differentiable
         #: Tensors whose dims give symbolic sizes (``sym_size``) under dynamic shapes.
         self.size_sources = size_sources
-        self._syms: dict = {}
+        #: (SymInt, its ``sym_size`` node) emitted so far. A list: SymInts do not hash,
+        #: and two of them are the same size when ``same_size`` proves it.
+        self._syms: list[tuple[torch.SymInt, Node]] = []
 
     def __call__(self, target, *args, **kwargs) -> Node:
         return call_function(self.graph, target, args, kwargs, before=self.before)
@@ -89,14 +98,14 @@ class _Emitter:
         return self(prims.convert_element_type.default, x, dtype)
 
     def size(self, *factors):
-        """A size argument: the product of ``factors`` (ints, SymInts or sympy)."""
+        """A size argument: the product of ``factors`` (ints or SymInts)."""
         static, nodes = 1, []
         for f in factors:
-            e = size_expr(f)
-            if e.is_number:
-                static *= int(e)
+            n = static_int(f)
+            if n is not None:
+                static *= n
             else:
-                nodes.append(self._sym(e))
+                nodes.append(self._sym(f))
         if not nodes:
             return static
         out = nodes[0]
@@ -104,15 +113,18 @@ class _Emitter:
             out = self(operator.mul, out, n)
         return out if static == 1 else self(operator.mul, out, static)
 
-    def _sym(self, e) -> Node:
-        if e not in self._syms:
-            for t in self.size_sources:
-                for d, s in enumerate(shape_of(t)):
-                    if same_size(s, e):
-                        self._syms[e] = self(aten.sym_size.int, t, d)
-                        return self._syms[e]
-            raise NoMatch(f"no tensor at hand carries the symbolic size {e}")
-        return self._syms[e]
+    def _sym(self, size: torch.SymInt) -> Node:
+        """A ``sym_size`` node of a size source whose dim is ``size``."""
+        for known, node in self._syms:
+            if same_size(known, size):
+                return node
+        for t in self.size_sources:
+            for d, s in enumerate(shape_of(t)):
+                if same_size(s, size):
+                    node = self(aten.sym_size.int, t, d)
+                    self._syms.append((size, node))
+                    return node
+        raise NoMatch(f"no tensor at hand carries the symbolic size {size}")
 
 
 def _peel_vector(node: Node, H) -> Node:
@@ -240,9 +252,11 @@ def _emit_mix_list(emit: _Emitter, m: MixtureMatch, runs, vecs, scalars, H, src_
         else:
             sources += [emit(aten.select.int, r.tensor, r.dim, j)
                         for j in range(r.start, r.stop)]
-    shapes = {tuple(shape_of(s)) for s in sources}
-    if len(shapes) != 1:
-        raise NoMatch(f"sources of different shapes {sorted(shapes)}")
+    first = shape_of(sources[0])
+    other = next((s for s in sources[1:] if not same_shape(shape_of(s), first)), None)
+    if other is not None:  # (SymInts do not hash: no set of shapes)
+        raise NoMatch(f"sources of different shapes {list(first)} and "
+                      f"{list(shape_of(other))}")
     norm_weight = vecs[0] if len(vecs) >= 2 else None
     rest = vecs[1:] if len(vecs) >= 2 else vecs
     qk = rest[0]
@@ -283,11 +297,10 @@ def _relayout(emit: _Emitter, mixed: Node, src_shape, src_axes, out_dims, out_sh
               sizes) -> Node:
     """``mixed`` (logical axes ``src_axes``) rearranged into ``out_dims`` / ``out_shape``."""
     order = [a for d in out_dims for a in d]
-    same_shape = len(src_shape) == len(out_shape) and all(
-        same_size(a, b) for a, b in zip(src_shape, out_shape, strict=True))
     target = [emit.size(*(sizes[a] for a in d)) for d in out_dims]
     if order == src_axes:
-        return mixed if same_shape else emit(aten.reshape.default, mixed, target)
+        return mixed if same_shape(src_shape, out_shape) else emit(
+            aten.reshape.default, mixed, target)
     x = mixed
     if len(src_shape) != len(src_axes):
         x = emit(aten.reshape.default, x, [emit.size(sizes[a]) for a in src_axes])

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import sympy
 import torch
 from torch.fx import Node
 
@@ -28,7 +27,7 @@ from kimi_passes.fusion.values import (
     same_logits,
     same_size,
     shape_of,
-    size_expr,
+    static_int,
 )
 from kimi_passes.passes.fx_toolkit import CASTS, dtype_of, is_lossless
 
@@ -68,10 +67,21 @@ def _ext_kind(ev: MixtureState, ext: Node, dims: tuple, where: str) -> str:
     return kind
 
 
-def _is_mean(ev: MixtureState, scale) -> bool:
-    """Is ``scale * sum_h`` the mean over the hidden axis (``scale == 1/H``)?"""
-    e = sympy.simplify(sympy.sympify(scale) * size_expr(ev.hidden_size) - 1)
-    return abs(float(e)) < 1e-6 if e.is_number else e == 0
+def _is_mean(ev: MixtureState, x: MixtureValue) -> bool:
+    """Is the SUM_OF_SQUARES value ``x`` the mean of V^2 over the hidden axis?
+
+    A ``mean`` not scaled again (``scale`` exactly 1.0) is: exact, and safe for a symbolic
+    H. A sum scaled by literals is only where H is a static int and the literals make
+    1/H: a model that writes 1/H as a literal (``x.pow(2).sum(-1) / 4096``, or
+    ``* (1 / 7168)``), whose float rounding need not be exact (``(1 / 49) * 49`` is
+    0.9999999999999999). That is the one float tolerance on sizes in the fusion.
+    Nothing else is a mean: a mean scaled again, or a literal against a symbolic H (it
+    equals 1/H for one H only).
+    """
+    if x.mean:
+        return x.scale == 1.0
+    H = static_int(ev.hidden_size)
+    return H is not None and abs(x.scale * H - 1) <= 1e-6
 
 
 def _view(ev: MixtureState, node: Node, where: str) -> MixtureValue:
@@ -211,14 +221,15 @@ def _add(ev: MixtureState, node: Node, where: str) -> MixtureValue:
         return MixtureValue(Kind.SHIFTED, broadcast_dims(va.dims, vb.dims, where),
                             softmax_axis=vb.softmax_axis, logits=va)
     if va.kind is Kind.SUM_OF_SQUARES and not sub and vb is None and c is not None:
-        if not _is_mean(ev, va.scale):
-            raise NoMatch(f"{where}: eps added to {va.scale} * sum(x^2), not the mean")
+        if not _is_mean(ev, va):
+            raise NoMatch(f"{where}: eps added to {va.scale:g} * "
+                          f"{'mean' if va.mean else 'sum'}(x^2), not the mean")
         if c < 0:
             raise NoMatch(f"{where}: negative eps {c}")
         return MixtureValue(Kind.MEAN_SQUARE_EPS, va.dims, eps=c)
     if va.is_logits:
         # A term constant along the source axis does not change the softmax.
-        if vb is None and (c is not None or (isinstance(b, Node) and numel(b) == 1)):
+        if vb is None and (c is not None or (isinstance(b, Node) and is_one(numel(b)))):
             return va
     raise NoMatch(f"{where}: {'sub' if sub else 'add'} of {va.kind} and "
                   f"{vb.kind if vb else b}")
@@ -243,7 +254,7 @@ def _unary(ev: MixtureState, node: Node, where: str) -> MixtureValue:
         raise NoMatch(f"{where}: of a tensor outside the region")
     if t is aten.rsqrt.default and x.kind is Kind.MEAN_SQUARE_EPS:
         return MixtureValue(Kind.MONOMIAL, x.dims, rsqrt_eps=x.eps, exact=False)
-    if t is aten.rsqrt.default and x.kind is Kind.SUM_OF_SQUARES and _is_mean(ev, x.scale):
+    if t is aten.rsqrt.default and x.kind is Kind.SUM_OF_SQUARES and _is_mean(ev, x):
         return MixtureValue(Kind.MONOMIAL, x.dims, rsqrt_eps=0.0, exact=False)
     if t is aten.sqrt.default and x.kind is Kind.MEAN_SQUARE_EPS:
         return MixtureValue(Kind.ROOT_MEAN_SQUARE, x.dims, eps=x.eps)
@@ -289,9 +300,7 @@ def _reduce(ev: MixtureState, node: Node, where: str) -> MixtureValue:
         raise NoMatch(f"{where}: reduction with a dtype")
     hidden = axis == ev.hidden_axis
     if x.kind is Kind.SQUARE and hidden:
-        scale = (sympy.Integer(1) / size_expr(ev.hidden_size) if t is aten.mean.dim
-                 else sympy.Integer(1))
-        return MixtureValue(Kind.SUM_OF_SQUARES, dims, scale=scale)
+        return MixtureValue(Kind.SUM_OF_SQUARES, dims, mean=t is aten.mean.dim)
     if t is aten.sum.dim_IntList:
         if x.kind is Kind.MONOMIAL and x.has_sources and not x.hidden_summed and hidden:
             return replace(x, dims=dims, hidden_summed=True, exact=False)
@@ -342,7 +351,7 @@ def _matmul(ev: MixtureState, node: Node, where: str) -> MixtureValue:
         val = MixtureValue(Kind.MIXTURE, dims)
     if bias is not None:
         c = _scalar(bias)
-        if not (val.kind is Kind.MONOMIAL and (c is not None or numel(bias) == 1)):
+        if not (val.kind is Kind.MONOMIAL and (c is not None or is_one(numel(bias)))):
             raise NoMatch(f"{where}: addmm bias {bias} is not constant over the sources")
     return ev.checked(node, val, where)
 

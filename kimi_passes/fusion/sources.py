@@ -3,6 +3,8 @@
 The root ``R`` is split along the source axis: the pieces of a ``cat`` (a
 ``bank[:, a:b]`` slice counts as ``b - a`` sources), the inputs of ``torch.stack``
 (``aten.stack`` before decomposition, ``cat`` + ``view`` after), or ``R``'s own slices.
+Sizes are compared with ``values.same_size`` (``statically_known_true``, no guard); the
+number of sources must be a static int.
 """
 
 from __future__ import annotations
@@ -12,7 +14,15 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
-from kimi_passes.fusion.values import NoMatch, is_one, normalize_dim, numel, same_size, shape_of
+from kimi_passes.fusion.values import (
+    NoMatch,
+    is_one,
+    normalize_dim,
+    numel,
+    same_shape,
+    same_size,
+    shape_of,
+)
 
 aten = torch.ops.aten
 
@@ -37,7 +47,7 @@ def _base_of_size1_insert(node: Node) -> Node:
             break
         a = [s for s in shape_of(x) if not is_one(s)]
         b = [s for s in shape_of(node) if not is_one(s)]
-        if len(a) != len(b) or not all(same_size(p, q) for p, q in zip(a, b, strict=True)):
+        if not same_shape(a, b):
             break
         if len(shape_of(x)) >= len(shape_of(node)):
             break
@@ -57,7 +67,7 @@ def split_sources(root: Node, source_dim: int | None) -> list[SourceRun]:
     if c is None:
         base = _base_of_size1_insert(root)
         # Empty pieces (``bank[:, :0]`` before Inductor drops them from the cat) add nothing.
-        pieces = [p for p in root.args[0] if numel(p) != 0] if (
+        pieces = [p for p in root.args[0] if not same_size(numel(p), 0)] if (
             root.target is aten.cat.default) else []
         if base is root and len(pieces) != 1:
             raise NoMatch(f"root {root.name}: softmax over a size-1 axis that does not come "
@@ -76,10 +86,8 @@ def split_sources(root: Node, source_dim: int | None) -> list[SourceRun]:
         dim = normalize_dim(cat.args[1] if len(cat.args) > 1 else 0, len(shape_of(cat)))
         P = shape_of(pieces[0])
         want = P[:dim] + (len(pieces),) + P[dim:]
-        if dim == c and all(len(shape_of(p)) == len(P) and all(
-                same_size(x, y) for x, y in zip(shape_of(p), P, strict=True)) for p in pieces
-                ) and len(want) == len(shape) and all(
-                same_size(x, y) for x, y in zip(want, shape, strict=True)):
+        if dim == c and all(same_shape(shape_of(p), P) for p in pieces) and same_shape(
+                want, shape):
             return [SourceRun(p, single=True) for p in pieces]  # a lowered torch.stack
     n = shape[c]
     if not isinstance(n, int):
@@ -93,7 +101,7 @@ def _cat_pieces(root: Node, c: int) -> list[SourceRun]:
     runs = []
     for p in root.args[0]:
         if len(shape_of(p)) != rank:  # cat's legacy empty 1-D operand
-            if numel(p) == 0:
+            if same_size(numel(p), 0):
                 continue
             raise NoMatch(f"root {root.name}: piece {p.name} has another rank")
         k = shape_of(p)[c]

@@ -6,17 +6,23 @@ The evaluator (``fusion.evaluator``) gives every node between the stacked source
 of size > 1 is axis ``"a<i>"``; the last one is the hidden axis (summed over by the
 RMSNorm and the query dot), one other becomes the source axis (the softmax's).
 
-Sizes are ints, or SymInts under dynamic shapes: they are compared with sympy.
+Sizes are ints, or SymInts under dynamic shapes (read off ``meta["val"]`` shapes).
+Products are SymInt arithmetic; equality is ``statically_known_true(a == b)``: true only
+when the shape environment proves it, without installing a guard (``bool()`` on a
+SymBool would guard, or fail for an unbacked size). Inductor's own passes compare sizes
+with ``V.graph.sizevars``, which does not exist here: post-grad custom passes run before
+``GraphLowering`` is built, and the pre-autograd path has no graph lowering at all.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import Enum
 
-import sympy
 import torch
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 
 
 class NoMatch(Exception):
@@ -26,23 +32,24 @@ class NoMatch(Exception):
 # -- sizes ------------------------------------------------------------------------------------
 
 
-def size_expr(s):
-    """A size (int, SymInt or sympy expression) as a sympy expression."""
-    if isinstance(s, sympy.Basic):
-        return s
-    if isinstance(s, torch.SymInt):
-        return s.node.expr
-    return sympy.Integer(int(s))
-
-
 def same_size(a, b) -> bool:
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b
-    return sympy.expand(size_expr(a) - size_expr(b)) == 0
+    """Are sizes ``a`` and ``b`` (ints or SymInts) provably equal? No guard is installed:
+    an equality the shape environment cannot prove counts as a difference."""
+    return statically_known_true(a == b)
 
 
 def is_one(s) -> bool:
     return same_size(s, 1)
+
+
+def same_shape(a, b) -> bool:
+    """Are shapes ``a`` and ``b`` provably equal, dim by dim (``same_size``)?"""
+    return len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b, strict=True))
+
+
+def static_int(s) -> int | None:
+    """``s`` as an int if it is one (an int, or a SymInt whose expression is a number)."""
+    return int(s) if is_concrete_int(s) else None
 
 
 def shape_of(node) -> tuple:
@@ -54,10 +61,8 @@ def shape_of(node) -> tuple:
 
 
 def numel(node: Node):
-    n = sympy.Integer(1)
-    for s in shape_of(node):
-        n = n * size_expr(s)
-    return n
+    """The product of ``node``'s sizes (an int, or a SymInt under dynamic shapes)."""
+    return math.prod(shape_of(node))
 
 
 def normalize_dim(d: int, rank: int) -> int:
@@ -74,7 +79,7 @@ class Kind(Enum):
     #: optional, summed over the hidden axis if ``hidden_summed``: keys, logits, values.
     MONOMIAL = "mono"
     SQUARE = "sq"  # V^2
-    SUM_OF_SQUARES = "ms"  # scale * sum_h V^2 (the mean when scale == 1/H)
+    SUM_OF_SQUARES = "ms"  # scale * sum_h V^2, or scale * mean_h V^2 (``mean``)
     MEAN_SQUARE_EPS = "mse"  # mean_h V^2 + eps
     ROOT_MEAN_SQUARE = "sqrt"  # sqrt(mean_h V^2 + eps)
     # The parts of a decomposed softmax over ``softmax_axis`` of ``logits``:
@@ -111,8 +116,10 @@ class MixtureValue:
     hidden_summed: bool = False
     #: The values are V bit for bit (no rounding cast, no arithmetic) where it matters.
     exact: bool = True
-    #: SUM_OF_SQUARES: the factor in front of the sum.
-    scale: object = None
+    #: SUM_OF_SQUARES: the product of the literal factors the sum (or mean) was
+    #: multiplied or divided by, and whether the reduction was a mean.
+    scale: float = 1.0
+    mean: bool = False
     #: MEAN_SQUARE_EPS / ROOT_MEAN_SQUARE: the eps added to the mean.
     eps: float | None = None
     #: MAX / DENOMINATOR: the node the reduction reads.
