@@ -21,3 +21,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def caches_off():
+    """Inductor's caches off for the test (``force_disable_caches``): every compile runs
+    the passes. A module whose tests inspect compiled graphs or count what a pass did
+    uses it (``pytestmark = pytest.mark.usefixtures("caches_off")``): an FX graph or
+    AOTAutograd cache hit would hand back a graph without running the passes."""
+    with torch._inductor.config.patch(force_disable_caches=True):
+        yield

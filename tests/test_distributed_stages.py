@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from k3_helpers import token_ids as seeded_ids
 
 import kimi_passes
 from kimi_passes import AuxCaptureError
@@ -48,7 +49,7 @@ BOUNDARY_CFG = K3Config(num_layers=4, hidden_size=16, attn_res_block_size=2, num
 
 
 def token_ids(cfg: K3Config) -> torch.Tensor:
-    return torch.randint(0, cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(11))
+    return seeded_ids(cfg, T, seed=11)
 
 
 # --------------------------------------------------------------------------- worker

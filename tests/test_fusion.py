@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._inductor import config as inductor_config
 
 from kimi_passes import aux_tap, make_kimi_backend
 from kimi_passes.debug.recording import GraphRecorder
@@ -29,10 +28,7 @@ EPS = 1e-6
 FP32 = dict(atol=1e-5, rtol=1e-5)
 
 
-@pytest.fixture(autouse=True)
-def _no_fx_graph_cache():
-    with inductor_config.patch(force_disable_caches=True):
-        yield
+pytestmark = pytest.mark.usefixtures("caches_off")
 
 
 def compile_recorded(fn, *args, **backend_options):

@@ -31,11 +31,13 @@ PLAIN_MIXING = {aten.exp.default, aten._softmax.default, aten.rsqrt.default,
                 aten.pow.Tensor_Scalar, aten._softmax_backward_data.default, aten.amax.default}
 
 
+pytestmark = pytest.mark.usefixtures("caches_off")
+
+
 @pytest.fixture(autouse=True)
 def _fresh():
     torch._dynamo.reset()
-    with torch._inductor.config.patch(force_disable_caches=True):
-        yield
+    yield
     torch._dynamo.reset()
 
 

@@ -31,10 +31,7 @@ def taps_for(L, S):
     return sorted({0, L, *range(S, L, S)})
 
 
-@pytest.fixture(autouse=True)
-def _no_cache():
-    with inductor_config.patch(force_disable_caches=True):
-        yield
+pytestmark = pytest.mark.usefixtures("caches_off")
 
 
 @pytest.mark.parametrize("L,S", GEOMETRIES)

@@ -27,6 +27,7 @@ import sys  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from k3_helpers import token_ids  # noqa: E402  (tests/ is on sys.path, first when a script)
 from torch import nn  # noqa: E402
 
 import kimi_passes  # noqa: E402,F401
@@ -138,10 +139,6 @@ def run(model, config, input_ids):
 def ground_truth(model, input_ids):
     with torch.no_grad():
         return model.k3.ground_truth(input_ids)[1]
-
-
-def token_ids(cfg: K3Config, T: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(seed))
 
 
 def counter():
