@@ -31,3 +31,19 @@ def caches_off():
     AOTAutograd cache hit would hand back a graph without running the passes."""
     with torch._inductor.config.patch(force_disable_caches=True):
         yield
+
+
+@pytest.fixture
+def aten_fallback(request):
+    """Inductor's cheap setting, the one the goldens use: ``fallback_by_default`` lowers
+    every op to an ATen call. Dynamo's graph, the post-grad graph and the kimi passes are
+    the same (fallbacks are chosen when lowering, after the passes); no C++ kernel is
+    built. For modules whose subject is the passes, not codegen
+    (``pytestmark = pytest.mark.usefixtures("aten_fallback")``); a test marked
+    ``codegen`` there keeps Inductor's full codegen, so generated kernels stay exercised.
+    """
+    if request.node.get_closest_marker("codegen") is not None:
+        yield
+        return
+    with torch._inductor.config.patch(fallback_by_default=True):
+        yield
