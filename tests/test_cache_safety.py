@@ -43,6 +43,7 @@ stream = sys.argv[1]
 inductor_config.fx_graph_cache = True
 inductor_config.force_disable_caches = False
 inductor_config.compile_threads = 1
+inductor_config.fallback_by_default = True  # ATen calls: which graph is served is the question
 torch._functorch.config.enable_autograd_cache = True
 
 cfg = K3Config(num_layers=2, hidden_size=16, attn_res_block_size=1, num_heads=2,

@@ -12,6 +12,10 @@ model's taps (fp32, atol = rtol = 1e-5).
 gloo over loopback (``GLOO_SOCKET_IFNAME=lo``), rendezvous through a FileStore in
 ``tmp_path``, processes started with ``torch.multiprocessing`` (spawn). Every wait is
 bounded: a hang fails the test instead of blocking it.
+
+Every compile (ranks and the single-process reference) uses Inductor's
+``fallback_by_default``: the stage graphs and the passes are a full compile's, and no C++
+kernel is built (the ranks' start-up is the subject, not codegen).
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ def _worker(rank: int, world: int, cfg: K3Config, bounds: tuple, tmp: str,
     try:
         torch.set_num_threads(1)
         torch._inductor.config.compile_threads = 1
+        torch._inductor.config.fallback_by_default = True
         dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank,
                                 world_size=world, timeout=PG_TIMEOUT)
         start, end = bounds[rank], bounds[rank + 1]
@@ -163,7 +168,8 @@ def single_process_taps():
     """The one-stage model compiled in this process: capture id -> tap."""
     torch._dynamo.reset()
     model = K3Model(CFG)
-    with torch.no_grad(), torch._inductor.config.patch(compile_threads=1):
+    with torch.no_grad(), torch._inductor.config.patch(compile_threads=1,
+                                                       fallback_by_default=True):
         compiled = torch.compile(model, backend=kimi_passes.kimi_backend, fullgraph=True,
                                  dynamic=False)
         _, taps = compiled(token_ids(CFG))

@@ -55,6 +55,7 @@ def rnd(*shape, dtype=torch.float32, seed=0, scale=1.0):
 # --------------------------------------------------------------------------- the K3 model
 
 
+@pytest.mark.usefixtures("aten_fallback")  # the fusion is the subject, not codegen
 def test_k3_torch_mixing_is_fully_fused_and_taps_read_it():
     cfg = K3Config.tiny()
     ids = torch.arange(16) % cfg.vocab_size
@@ -87,6 +88,7 @@ def test_k3_torch_mixing_is_fully_fused_and_taps_read_it():
 # --------------------------------------------------------------------------- attn-res package
 
 
+@pytest.mark.usefixtures("aten_fallback")
 def test_attn_res_package_block_model_is_fused():
     attn_res = pytest.importorskip(
         "attn_res", reason="the attn-res package is not installed (test extra: attn-res==0.1.0)")
