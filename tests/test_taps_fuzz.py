@@ -19,7 +19,10 @@ bit-exact.
 Profiles (registered here, not in conftest, so other files keep Hypothesis' defaults):
 ``ci`` (default; few derandomized examples) and ``long`` (``KIMI_PASSES_FUZZ_PROFILE=long``,
 ``KIMI_PASSES_FUZZ_EXAMPLES`` examples, default 1000, seed ``KIMI_PASSES_FUZZ_SEED``, no
-shrinking: each example is a compile). ``KIMI_PASSES_FUZZ_LOG=<file>`` appends one JSON
+shrinking: each example is a compile). ``ci`` compiles with Inductor's
+``fallback_by_default`` (every op an ATen call, as the goldens and most of test_taps.py
+compile: the post-grad graph and the passes are the same, no C++ kernel is built);
+``long`` compiles to C++ kernels. ``KIMI_PASSES_FUZZ_LOG=<file>`` appends one JSON
 line per model example (geometry, outcome, worst error in tolerances, seconds);
 ``KIMI_PASSES_FUZZ_KEEP_GOING=1`` logs failures and carries on (one run counts them all).
 
@@ -168,10 +171,12 @@ def describe(cfg: K3Config, cuts, T, stream, fuse) -> dict:
 
 @pytest.fixture(scope="module", autouse=True)
 def fast_compile():
-    """One compile thread: no worker pool to start on a 2-core box. Caches stay as users
-    have them (FX graph cache on): a refusal must reach the user as ``AuxCaptureError``
-    there, and a cache hit serving another stream's graph would show up as a mismatch."""
-    with torch._inductor.config.patch(compile_threads=1), torch.no_grad():
+    """One compile thread: no worker pool to start on a 2-core box; ``ci``: no C++ build
+    (see the module docstring). Caches stay as users have them (FX graph cache on): a
+    refusal must reach the user as ``AuxCaptureError`` there, and a cache hit serving
+    another stream's graph would show up as a mismatch."""
+    fallback = {"fallback_by_default": True} if PROFILE == "ci" else {}
+    with torch._inductor.config.patch(compile_threads=1, **fallback), torch.no_grad():
         yield
 
 
