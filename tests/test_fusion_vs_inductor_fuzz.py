@@ -33,7 +33,11 @@ derandomized, few examples) and ``long`` (``KIMI_PASSES_FUSION_FUZZ_PROFILE=long
 no shrinking: each example is four to six compiles). ``KIMI_PASSES_FUSION_FUZZ_LOG=<file>``
 appends one JSON line per example and mode (the program and its ``describe()``, expected
 and found mix nodes, the pass's refusal reasons, worst error, seconds);
-``KIMI_PASSES_FUSION_FUZZ_KEEP_GOING=1`` logs failures and carries on.
+``KIMI_PASSES_FUSION_FUZZ_KEEP_GOING=1`` logs failures and carries on. ``ci`` compiles both
+sides with Inductor's ``fallback_by_default`` (every op an ATen call: the graphs and the
+passes are the same, no C++ kernel is built); ``long`` compiles both to C++ kernels. Fused
+graphs compiled to C++ stay in CI through tests/test_fusion.py, the one-site test of
+tests/test_fusion_training.py and the fused vLLM cases.
 
     KIMI_PASSES_FUSION_FUZZ_PROFILE=long KIMI_PASSES_FUSION_FUZZ_KEEP_GOING=1 \\
     KIMI_PASSES_FUSION_FUZZ_LOG=fusion.jsonl \\
@@ -106,8 +110,10 @@ pytestmark = pytest.mark.usefixtures("caches_off")
 
 
 @pytest.fixture(autouse=True)
-def _one_compile_thread():
-    with inductor_config.patch(compile_threads=1):
+def _compile_settings():
+    """One compile thread; ``ci``: no C++ build (see the module docstring)."""
+    fallback = {"fallback_by_default": True} if PROFILE == "ci" else {}
+    with inductor_config.patch(compile_threads=1, **fallback):
         yield
 
 
