@@ -10,8 +10,9 @@ writes its taps to a file; the parent asserts they equal the single-process comp
 model's taps (fp32, atol = rtol = 1e-5).
 
 gloo over loopback (``GLOO_SOCKET_IFNAME=lo``), rendezvous through a FileStore in
-``tmp_path``, processes started with ``torch.multiprocessing`` (spawn). Every wait is
-bounded: a hang fails the test instead of blocking it.
+``tmp_path``, processes started with ``torch.multiprocessing`` (forkserver, the server
+having imported this module, so torch and kimi_passes are imported once, not per rank).
+Every wait is bounded: a hang fails the test instead of blocking it.
 
 Every compile (ranks and the single-process reference) uses Inductor's
 ``fallback_by_default``: the stage graphs and the passes are a full compile's, and no C++
@@ -70,6 +71,7 @@ def _worker(rank: int, world: int, cfg: K3Config, bounds: tuple, tmp: str,
     out_file = os.path.join(tmp, f"rank{rank}.pt")
     result = {"rank": rank, "status": "started"}
     try:
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
         torch.set_num_threads(1)
         torch._inductor.config.compile_threads = 1
         torch._inductor.config.fallback_by_default = True
@@ -123,20 +125,13 @@ def _worker(rank: int, world: int, cfg: K3Config, bounds: tuple, tmp: str,
 
 def run_group(cfg: K3Config, bounds: tuple, tmp_path, leave_boundary=True) -> list[dict]:
     world = len(bounds) - 1
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
     procs = [ctx.Process(target=_worker, daemon=True,
                          args=(r, world, cfg, bounds, str(tmp_path), leave_boundary))
              for r in range(world)]
-    saved = os.environ.get("GLOO_SOCKET_IFNAME")
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only; inherited by the children
-    try:
-        for p in procs:
-            p.start()
-    finally:
-        if saved is None:
-            del os.environ["GLOO_SOCKET_IFNAME"]
-        else:
-            os.environ["GLOO_SOCKET_IFNAME"] = saved
+    for p in procs:
+        p.start()
     # Wait for all, but stop early when one rank dies (its peers would wait on it).
     deadline = time.monotonic() + JOIN_TIMEOUT_S
     while time.monotonic() < deadline and any(p.is_alive() for p in procs):
