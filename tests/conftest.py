@@ -21,3 +21,35 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def caches_off():
+    """The caches that hand back a compiled graph, off for the test: every compile runs
+    the passes. A module whose tests inspect compiled graphs or count what a pass did
+    uses it (``pytestmark = pytest.mark.usefixtures("caches_off")``): an FX graph or
+    AOTAutograd cache hit would hand back a graph without running the passes.
+
+    Inductor's kernel build cache stays on: it is keyed by a kernel's generated source,
+    so a hit (the same C++ kernel in another compile) skips only the C++ compiler, after
+    the passes and codegen have run. (``force_disable_caches`` would turn it off too.)
+    """
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
+
+
+@pytest.fixture
+def aten_fallback(request):
+    """Inductor's cheap setting, the one the goldens use: ``fallback_by_default`` lowers
+    every op to an ATen call. Dynamo's graph, the post-grad graph and the kimi passes are
+    the same (fallbacks are chosen when lowering, after the passes); no C++ kernel is
+    built. For modules whose subject is the passes, not codegen
+    (``pytestmark = pytest.mark.usefixtures("aten_fallback")``); a test marked
+    ``codegen`` there keeps Inductor's full codegen, so generated kernels stay exercised.
+    """
+    if request.node.get_closest_marker("codegen") is not None:
+        yield
+        return
+    with torch._inductor.config.patch(fallback_by_default=True):
+        yield

@@ -1,9 +1,10 @@
 """A shared on-disk Inductor cache never serves a graph compiled under another stream.
 
-Three separate Python processes, one after another, share one cache directory
-(``TORCHINDUCTOR_CACHE_DIR=tmp_path``; FX graph cache and AOTAutograd cache on,
-``force_disable_caches`` off): they compile the tiny K3 in the attn_res stream, then the
-prefix stream, then attn_res again. Each prints, as JSON, how far its taps are from each
+Three separate Python processes share one cache directory (``TORCHINDUCTOR_CACHE_DIR=
+tmp_path``; FX graph cache and AOTAutograd cache on, ``force_disable_caches`` off) and
+compile one after another: a small K3 in the attn_res stream, then the prefix stream,
+then attn_res again. (They start together, so their imports overlap; each compiles only
+when the one before it has exited.) Each prints, as JSON, how far its taps are from each
 stream's expected values (``ground_truth`` for attn_res, the eager forward's running
 prefix for prefix) and its ``counters["inductor"]`` / ``counters["aot_autograd"]``.
 
@@ -39,10 +40,12 @@ from torch._inductor import config as inductor_config
 import kimi_passes
 from kimi_passes.graphs.k3 import K3Config, K3Model
 
+sys.stdin.readline()  # imported: wait until the previous process has finished
 stream = sys.argv[1]
 inductor_config.fx_graph_cache = True
 inductor_config.force_disable_caches = False
 inductor_config.compile_threads = 1
+inductor_config.fallback_by_default = True  # ATen calls: which graph is served is the question
 torch._functorch.config.enable_autograd_cache = True
 
 cfg = K3Config(num_layers=2, hidden_size=16, attn_res_block_size=1, num_heads=2,
@@ -74,22 +77,37 @@ TOL = 1e-5
 TIMEOUT_S = 300
 
 
-def run_stream(stream: str, cache_dir) -> dict:
+def start_stream(stream: str, cache_dir) -> subprocess.Popen:
+    """A process that imports, then waits for a line on stdin before it compiles."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("TORCHINDUCTOR_", "KIMI_PASSES_"))}
     env["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, stream], env=env, capture_output=True,
-                          text=True, timeout=TIMEOUT_S)
-    assert proc.returncode == 0, f"{stream} process failed:\n{proc.stderr[-4000:]}"
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert len(lines) == 1, proc.stdout
+    return subprocess.Popen([sys.executable, "-c", SCRIPT, stream], env=env, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+
+
+def finish_stream(proc: subprocess.Popen, stream: str) -> dict:
+    """Let ``proc`` compile and run; its result once it has exited."""
+    stdout, stderr = proc.communicate("go\n", timeout=TIMEOUT_S)
+    assert proc.returncode == 0, f"{stream} process failed:\n{stderr[-4000:]}"
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+    assert len(lines) == 1, stdout
     return json.loads(lines[0].removeprefix("RESULT "))
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     cache_dir = tmp_path_factory.mktemp("inductor_cache")
-    return [run_stream(s, cache_dir) for s in ("attn_res", "prefix", "attn_res")]
+    streams = ("attn_res", "prefix", "attn_res")
+    procs = [start_stream(s, cache_dir) for s in streams]
+    try:
+        return [finish_stream(p, s) for p, s in zip(procs, streams, strict=True)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
 
 
 def test_each_process_gets_its_own_streams_taps(runs):

@@ -10,8 +10,13 @@ writes its taps to a file; the parent asserts they equal the single-process comp
 model's taps (fp32, atol = rtol = 1e-5).
 
 gloo over loopback (``GLOO_SOCKET_IFNAME=lo``), rendezvous through a FileStore in
-``tmp_path``, processes started with ``torch.multiprocessing`` (spawn). Every wait is
-bounded: a hang fails the test instead of blocking it.
+``tmp_path``, processes started with ``torch.multiprocessing`` (forkserver, the server
+having imported this module, so torch and kimi_passes are imported once, not per rank).
+Every wait is bounded: a hang fails the test instead of blocking it.
+
+Every compile (ranks and the single-process reference) uses Inductor's
+``fallback_by_default``: the stage graphs and the passes are a full compile's, and no C++
+kernel is built (the ranks' start-up is the subject, not codegen).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from k3_helpers import token_ids as seeded_ids
 
 import kimi_passes
 from kimi_passes import AuxCaptureError
@@ -48,7 +54,7 @@ BOUNDARY_CFG = K3Config(num_layers=4, hidden_size=16, attn_res_block_size=2, num
 
 
 def token_ids(cfg: K3Config) -> torch.Tensor:
-    return torch.randint(0, cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(11))
+    return seeded_ids(cfg, T, seed=11)
 
 
 # --------------------------------------------------------------------------- worker
@@ -65,8 +71,10 @@ def _worker(rank: int, world: int, cfg: K3Config, bounds: tuple, tmp: str,
     out_file = os.path.join(tmp, f"rank{rank}.pt")
     result = {"rank": rank, "status": "started"}
     try:
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
         torch.set_num_threads(1)
         torch._inductor.config.compile_threads = 1
+        torch._inductor.config.fallback_by_default = True
         dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank,
                                 world_size=world, timeout=PG_TIMEOUT)
         start, end = bounds[rank], bounds[rank + 1]
@@ -117,20 +125,13 @@ def _worker(rank: int, world: int, cfg: K3Config, bounds: tuple, tmp: str,
 
 def run_group(cfg: K3Config, bounds: tuple, tmp_path, leave_boundary=True) -> list[dict]:
     world = len(bounds) - 1
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
     procs = [ctx.Process(target=_worker, daemon=True,
                          args=(r, world, cfg, bounds, str(tmp_path), leave_boundary))
              for r in range(world)]
-    saved = os.environ.get("GLOO_SOCKET_IFNAME")
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only; inherited by the children
-    try:
-        for p in procs:
-            p.start()
-    finally:
-        if saved is None:
-            del os.environ["GLOO_SOCKET_IFNAME"]
-        else:
-            os.environ["GLOO_SOCKET_IFNAME"] = saved
+    for p in procs:
+        p.start()
     # Wait for all, but stop early when one rank dies (its peers would wait on it).
     deadline = time.monotonic() + JOIN_TIMEOUT_S
     while time.monotonic() < deadline and any(p.is_alive() for p in procs):
@@ -162,7 +163,8 @@ def single_process_taps():
     """The one-stage model compiled in this process: capture id -> tap."""
     torch._dynamo.reset()
     model = K3Model(CFG)
-    with torch.no_grad(), torch._inductor.config.patch(compile_threads=1):
+    with torch.no_grad(), torch._inductor.config.patch(compile_threads=1,
+                                                       fallback_by_default=True):
         compiled = torch.compile(model, backend=kimi_passes.kimi_backend, fullgraph=True,
                                  dynamic=False)
         _, taps = compiled(token_ids(CFG))

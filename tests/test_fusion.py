@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._inductor import config as inductor_config
 
 from kimi_passes import aux_tap, make_kimi_backend
 from kimi_passes.debug.recording import GraphRecorder
@@ -29,10 +28,7 @@ EPS = 1e-6
 FP32 = dict(atol=1e-5, rtol=1e-5)
 
 
-@pytest.fixture(autouse=True)
-def _no_fx_graph_cache():
-    with inductor_config.patch(force_disable_caches=True):
-        yield
+pytestmark = pytest.mark.usefixtures("caches_off")
 
 
 def compile_recorded(fn, *args, **backend_options):
@@ -59,6 +55,7 @@ def rnd(*shape, dtype=torch.float32, seed=0, scale=1.0):
 # --------------------------------------------------------------------------- the K3 model
 
 
+@pytest.mark.usefixtures("aten_fallback")  # the fusion is the subject, not codegen
 def test_k3_torch_mixing_is_fully_fused_and_taps_read_it():
     cfg = K3Config.tiny()
     ids = torch.arange(16) % cfg.vocab_size
@@ -91,6 +88,7 @@ def test_k3_torch_mixing_is_fully_fused_and_taps_read_it():
 # --------------------------------------------------------------------------- attn-res package
 
 
+@pytest.mark.usefixtures("aten_fallback")
 def test_attn_res_package_block_model_is_fused():
     attn_res = pytest.importorskip(
         "attn_res", reason="the attn-res package is not installed (test extra: attn-res==0.1.0)")

@@ -7,6 +7,11 @@ outputs and gradients equal plain Inductor's. Constructs that make tracing below
 autograd unsound are refused (compiled unfused, with a warning); in-place updates are
 functionalized, and on a graph that is not functional a site whose sources may be mutated
 between the stacking and the weighted sum is not fused.
+
+Caches are off (the passes run on every compile). The compiles, ``kimi_backend`` and the
+plain-Inductor references alike, use Inductor's ``fallback_by_default`` (the
+``aten_fallback`` fixture): the graphs and the passes are a full compile's, no C++ kernel
+is built. The one-site test (``codegen``) compiles its fused forward and backward to C++.
 """
 
 from __future__ import annotations
@@ -31,11 +36,13 @@ PLAIN_MIXING = {aten.exp.default, aten._softmax.default, aten.rsqrt.default,
                 aten.pow.Tensor_Scalar, aten._softmax_backward_data.default, aten.amax.default}
 
 
+pytestmark = pytest.mark.usefixtures("caches_off", "aten_fallback")
+
+
 @pytest.fixture(autouse=True)
 def _fresh():
     torch._dynamo.reset()
-    with torch._inductor.config.patch(force_disable_caches=True):
-        yield
+    yield
     torch._dynamo.reset()
 
 
@@ -74,6 +81,7 @@ def _targets(graph) -> list:
     return [n.target for n in graph.nodes if n.op == "call_function"]
 
 
+@pytest.mark.codegen
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_site_fused_forward_and_backward(dtype):
     inputs = _site_inputs(dtype=dtype)

@@ -23,7 +23,9 @@ import re
 from pathlib import Path
 
 import expecttest
+import pytest
 import torch
+from op_helpers import OP_TOL
 from torch._dynamo.exc import BackendCompilerFailed
 
 import kimi_passes.graphs
@@ -34,7 +36,8 @@ from kimi_passes.graphs import K3Config, K3Model
 
 GOLDEN_DIR = Path(kimi_passes.graphs.__file__).resolve().parent / "golden"
 FAST = {"fallback_by_default": True}
-TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+pytestmark = pytest.mark.usefixtures("caches_off")
 
 
 def accepting() -> bool:
@@ -86,7 +89,7 @@ class GoldenTestCase(expecttest.TestCase):
 
 
 def compile_stage(model, *inputs, dynamic: bool = False, **options):
-    """Compile ``model`` through a GraphRecorder (caches off), run it; (recorder, out, taps).
+    """Compile ``model`` through a GraphRecorder, run it; (recorder, out, taps).
 
     The pass's AuxCaptureError comes out unwrapped (Dynamo wraps backend errors).
     """
@@ -94,7 +97,7 @@ def compile_stage(model, *inputs, dynamic: bool = False, **options):
     torch._dynamo.reset()
     if dynamic:
         torch._dynamo.mark_dynamic(inputs[0], 0)
-    with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True):
+    with torch.no_grad():
         try:
             out, taps = torch.compile(model, backend=recorder, fullgraph=True)(*inputs)
         except BackendCompilerFailed as e:
@@ -132,7 +135,7 @@ class TestGoldens(GoldenTestCase):
         self.assertEqual(rec.last.counts("before")["aux_tap"], len(model.capture_ids))
         with torch.no_grad():
             ref = (model.ground_truth if stream == "attn_res" else model)(*inputs)[1]
-        tol = TOL[model.config.dtype]
+        tol = OP_TOL[model.config.dtype]
         self.assertEqual(len(taps), len(ref))
         for k, got, want in zip(model.capture_ids, taps, ref, strict=True):
             err = (got.float() - want.float()).abs().max().item()

@@ -7,6 +7,7 @@ from itertools import pairwise
 
 import pytest
 import torch
+from k3_helpers import token_ids
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def ids_for(cfg: K3Config, n: int = T) -> torch.Tensor:
-    return torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(7))
+    return token_ids(cfg, n, seed=7)
 
 
 def slice_for(stage: K3Model, state_dict: dict) -> dict:

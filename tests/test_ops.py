@@ -11,6 +11,16 @@ import re
 
 import pytest
 import torch
+from op_helpers import (
+    DTYPES,
+    EPS,
+    ONORM_EPS,
+    OP_TOL,
+    clone_args,
+    make_args,
+    mix_args,
+    opcheck,
+)
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import kimi_passes
@@ -23,10 +33,6 @@ attn_res_mix_reference = kimi_ops.attn_res_mix_reference
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.jit")
 
 OPS = torch.ops.kimi
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
-EPS = 1e-6
-ONORM_EPS = 1e-5
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -35,35 +41,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # --------------------------------------------------------------------------- helpers
 
 
-def make_args(T, H, NB, nb, write, dtype, *, delta, onorm, seed=0, scale=1.0, qk_scale=2.0):
-    """Positional args of ``kimi::attn_res``; logits are O(qk_scale) for unit sources."""
-    g = torch.Generator().manual_seed(seed)
-
-    def rnd(*shape, s=1.0):
-        return (torch.randn(*shape, generator=g) * s).to(dtype)
-
-    prefix = rnd(T, H, s=scale)
-    blocks = rnd(T, NB, H, s=scale)
-    d = rnd(T, H, s=scale) if delta else None
-    norm_weight = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype)
-    qk_weight = rnd(H, s=qk_scale / H**0.5)
-    onw = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype) if onorm else None
-    return [prefix, d, blocks, norm_weight, qk_weight, onw, nb, write, EPS, ONORM_EPS]
-
-
-def clone_args(args):
-    return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-
-
-def mix_args(args):
-    prefix, _, blocks, nw, qk, _, nb, _, eps, _ = args
-    return [prefix, blocks, nw, qk, nb, eps]
-
-
 def assert_close(actual, expected, dtype, scale=1.0, tol=None):
     assert actual.dtype == expected.dtype == dtype
     assert actual.shape == expected.shape
-    tol = TOL[dtype] if tol is None else max(tol, TOL[dtype])
+    tol = OP_TOL[dtype] if tol is None else max(tol, OP_TOL[dtype])
     torch.testing.assert_close(
         actual.float() / scale, expected.float() / scale, atol=tol, rtol=tol, equal_nan=True
     )
@@ -306,19 +287,6 @@ def test_empty_tokens(dtype):
 
 # --------------------------------------------------------------------------- opcheck
 
-def _test_utils():
-    """opcheck's default utils, plus test_aot_dispatch_static where this torch has it."""
-    utils = ["test_schema", "test_autograd_registration", "test_faketensor",
-             "test_aot_dispatch_dynamic"]
-    try:
-        from torch.testing._internal.optests.generate_tests import ALL_TEST_UTILS
-    except ImportError:
-        return utils
-    return utils + [u for u in ("test_aot_dispatch_static",) if u in ALL_TEST_UTILS]
-
-
-TEST_UTILS = _test_utils()
-
 OPCHECK_CASES = [
     # (T, H, NB, nb, write, dtype, delta, onorm)
     (5, 16, 4, 3, -1, torch.float32, False, False),
@@ -334,17 +302,14 @@ OPCHECK_CASES = [
 def test_opcheck(case):
     T, H, NB, nb, write, dtype, delta, onorm = case
     args = make_args(T, H, NB, nb, write, dtype, delta=delta, onorm=onorm)
-    torch.library.opcheck(OPS.attn_res.default, tuple(clone_args(args)), test_utils=TEST_UTILS)
-    torch.library.opcheck(OPS.attn_res_capture.default, tuple(clone_args(args)),
-                          test_utils=TEST_UTILS)
-    torch.library.opcheck(OPS.attn_res_mix.default, tuple(mix_args(clone_args(args))),
-                          test_utils=TEST_UTILS)
+    opcheck(OPS.attn_res.default, clone_args(args))
+    opcheck(OPS.attn_res_capture.default, clone_args(args))
+    opcheck(OPS.attn_res_mix.default, mix_args(clone_args(args)))
 
 
 @pytest.mark.parametrize("shape,dtype", [((5, 16), torch.float32), ((2, 3, 64), torch.bfloat16)])
 def test_opcheck_aux_tap(shape, dtype):
-    torch.library.opcheck(OPS.aux_tap.default, (torch.randn(shape, dtype=dtype), 3),
-                          test_utils=TEST_UTILS)
+    opcheck(OPS.aux_tap.default, (torch.randn(shape, dtype=dtype), 3))
 
 
 # --------------------------------------------------------------------------- validation

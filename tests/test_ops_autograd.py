@@ -20,6 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 from k3_helpers import rel_err
+from op_helpers import DTYPES, OP_TOL, OPCHECK_UTILS
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kimi_passes.graphs.k3 import K3Config, K3Model
@@ -32,7 +33,6 @@ from kimi_passes.ops.differentiable import (
 
 OPS = torch.ops.kimi
 EPS = 1e-6
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Max |grad - fp64 truth| / max |fp64 truth|, per input dtype. Gradients are rounded to the
 # input dtype once (bf16: 2^-9 relative, fp16: 2^-12) on top of fp32 accumulation.
 GRAD_TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}
@@ -213,33 +213,20 @@ def test_triton_backward_empty_rows():
 # --------------------------------------------------------------------------- opcheck
 
 
-def _test_utils():
-    utils = ["test_schema", "test_autograd_registration", "test_faketensor",
-             "test_aot_dispatch_dynamic"]
-    try:
-        from torch.testing._internal.optests.generate_tests import ALL_TEST_UTILS
-    except ImportError:
-        return utils
-    return utils + [u for u in ("test_aot_dispatch_static",) if u in ALL_TEST_UTILS]
-
-
-TEST_UTILS = _test_utils()
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("nb", [0, 2])
 def test_opcheck_mix_with_grad(dtype, nb):
     prefix, blocks, nw, qk, grad = mix_inputs(3, 16, 3, dtype)
     torch.library.opcheck(OPS.attn_res_mix.default, (*leaves(prefix, blocks, nw, qk), nb, EPS),
-                          test_utils=TEST_UTILS)
+                          test_utils=OPCHECK_UTILS)
     # Some inputs requiring grad, some not.
     torch.library.opcheck(OPS.attn_res_mix.default,
                           (prefix, *leaves(blocks), nw, *leaves(qk), nb, EPS),
-                          test_utils=TEST_UTILS)
+                          test_utils=OPCHECK_UTILS)
     for needs in ((True, True, True), (False, True, False)):
         torch.library.opcheck(OPS.attn_res_mix_backward.default,
                               (grad, prefix, blocks, nw, qk, nb, EPS, *needs),
-                              test_utils=TEST_UTILS)
+                              test_utils=OPCHECK_UTILS)
 
 
 @pytest.mark.parametrize("with_norm", [True, False])
@@ -253,10 +240,10 @@ def test_opcheck_mix_list_with_grad(with_norm, out_dtype):
     if not with_norm:
         args = (args[0], None, *args[1:])
     torch.library.opcheck(OPS.attn_res_mix_list.default, (*args, out_dtype),
-                          test_utils=TEST_UTILS)
+                          test_utils=OPCHECK_UTILS)
     grad = torch.randn(2, 3, 16, generator=g).to(out_dtype or torch.bfloat16)
     torch.library.opcheck(OPS.attn_res_mix_list_backward.default,
-                          (grad, sources, nw, qk, EPS, True, True), test_utils=TEST_UTILS)
+                          (grad, sources, nw, qk, EPS, True, True), test_utils=OPCHECK_UTILS)
 
 
 # --------------------------------------------------------------------------- skipped work
@@ -313,9 +300,6 @@ def test_mix_list_sources_grad_only_when_asked():
 
 
 # --------------------------------------------------------------------------- mutating ops
-
-# Output tolerance of the differentiable path against the fused op (as tests/test_ops.py).
-OUT_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 ATTN_RES_CASES = [
     # (NB, nb, block_write_idx, delta, output norm)
@@ -376,8 +360,8 @@ def test_differentiable_matches_op_forward(dtype, case):
     got_args = _clone(args, grad_of=(4,))  # qk_weight requires grad: the training path
     got_out, got_mix = attn_res_capture_differentiable(*got_args)
     assert got_out.grad_fn is not None and got_out.dtype == dtype
-    assert rel_err(got_out.detach(), want_out) < OUT_TOL[dtype]
-    assert rel_err(got_mix.detach(), want_mix) < OUT_TOL[dtype]
+    assert rel_err(got_out.detach(), want_out) < OP_TOL[dtype]
+    assert rel_err(got_mix.detach(), want_mix) < OP_TOL[dtype]
     assert torch.equal(got_args[0].detach(), op_args[0])  # prefix += delta, bit for bit
     assert torch.equal(got_args[2].detach(), op_args[2])  # the block write
     assert got_out.data_ptr() != got_mix.data_ptr()
@@ -400,7 +384,7 @@ def test_differentiable_grads_match_reference(dtype, case, capture):
     want_leaves, want_loss, _, _ = _run_with_state_loss(ref, _clone(args), grads, capture)
     got = torch.autograd.grad(got_loss, got_leaves)
     want = torch.autograd.grad(want_loss, want_leaves)
-    tol = GRAD_TOL[dtype] if dtype == torch.float32 else OUT_TOL[dtype]
+    tol = GRAD_TOL[dtype] if dtype == torch.float32 else OP_TOL[dtype]
     for i, (g_, w_) in enumerate(zip(got, want, strict=True)):
         assert rel_err(g_, w_) < tol, (i, rel_err(g_, w_))
 

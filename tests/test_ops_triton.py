@@ -13,6 +13,7 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
+from op_helpers import DTYPES, OP_TOL
 
 from kimi_passes.ops import (
     AttnResArgumentError,
@@ -26,8 +27,6 @@ from kimi_passes.ops.triton_kernels import (
     attn_res_triton,
 )
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 EPS = 1e-6
 OUT_EPS = 1e-5
 
@@ -64,7 +63,7 @@ def _inputs(T, NB, H, dtype, seed, *, scale=1.0, logit_scale=1.0, device="cpu"):
 
 
 def _close(actual, expected, dtype, *, scale=1.0, msg=""):
-    tol = TOL[dtype]
+    tol = OP_TOL[dtype]
     torch.testing.assert_close(
         actual.float(), expected.float(), atol=tol * scale, rtol=tol, equal_nan=True, msg=msg
     )

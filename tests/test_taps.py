@@ -1,4 +1,11 @@
-"""AuxStreamPass + kimi_backend on the reference K3."""
+"""AuxStreamPass + kimi_backend on the reference K3.
+
+Caches are off (the passes must run on every compile) and the compiles use Inductor's
+``fallback_by_default`` (the ``aten_fallback`` fixture, as the goldens do): the post-grad
+graph and the passes are those of a full compile, and no C++ kernel is built. The tests
+marked ``codegen`` compile to C++ kernels: one geometry of each matrix, each stream, each
+capture choice (fused, separate read), and v1 against v2 functionalization.
+"""
 
 from __future__ import annotations
 
@@ -24,6 +31,16 @@ from kimi_passes import AuxCaptureError, AuxStreamPass, kimi_backend, make_kimi_
 
 GEOMETRIES = [(1, 1), (2, 1), (2, 2), (5, 1), (5, 2), (5, 3), (5, 4), (8, 1), (8, 2), (8, 3),
               (8, 4)]
+#: The geometry of each matrix compiled to C++ kernels (a partial last block, 2 writes).
+CODEGEN = (5, 2)
+
+pytestmark = pytest.mark.usefixtures("caches_off", "aten_fallback")
+
+
+def geometries(grid):
+    return [pytest.param(L, S, marks=[pytest.mark.codegen] if (L, S) == CODEGEN else [],
+                         id=f"{L}-{S}" + ("-codegen" if (L, S) == CODEGEN else ""))
+            for L, S in grid]
 
 
 def taps_for(L, S):
@@ -31,13 +48,7 @@ def taps_for(L, S):
     return sorted({0, L, *range(S, L, S)})
 
 
-@pytest.fixture(autouse=True)
-def _no_cache():
-    with inductor_config.patch(force_disable_caches=True):
-        yield
-
-
-@pytest.mark.parametrize("L,S", GEOMETRIES)
+@pytest.mark.parametrize("L,S", geometries(GEOMETRIES))
 @torch.no_grad()
 def test_taps_match_ground_truth_fp32(L, S):
     cfg = small_config(L, S, taps_for(L, S))
@@ -52,7 +63,7 @@ def test_taps_match_ground_truth_fp32(L, S):
     assert all(r.fused for r in backend.aux_pass.last_rewrites)
 
 
-@pytest.mark.parametrize("L,S", [(2, 1), (5, 2), (8, 3)])
+@pytest.mark.parametrize("L,S", geometries([(2, 1), (5, 2), (8, 3)]))
 @torch.no_grad()
 def test_taps_match_ground_truth_bf16(L, S):
     cfg = small_config(L, S, taps_for(L, S), dtype=torch.bfloat16)
@@ -64,6 +75,7 @@ def test_taps_match_ground_truth_bf16(L, S):
     assert_taps_close(got, want, torch.bfloat16, f"L={L} S={S}")
 
 
+@pytest.mark.codegen
 @torch.no_grad()
 def test_prefix_stream_reads_the_running_prefix():
     cfg = small_config(5, 2, (0, 2, 3, 5))
@@ -77,6 +89,7 @@ def test_prefix_stream_reads_the_running_prefix():
     assert all((a - b).abs().max() > 1e-3 for a, b in zip(legacy[1:], mixed[1:], strict=True))
 
 
+@pytest.mark.codegen
 @torch.no_grad()
 def test_separate_read_matches_fused():
     cfg = small_config(5, 2, (0, 2, 3, 5))
@@ -148,7 +161,8 @@ def test_stream_switch_with_fx_cache_on_gives_each_streams_values(tmp_path, monk
     _, legacy = model(ids)
     _, mixed = model.ground_truth(ids)
     counters.clear()
-    with inductor_config.patch(force_disable_caches=False, fx_graph_cache=True):
+    with inductor_config.patch(force_disable_caches=False, fx_graph_cache=True), \
+            torch._functorch.config.patch(enable_autograd_cache=True):  # as users have them
         for stream, want in (("attn_res", mixed), ("prefix", legacy), ("attn_res", mixed)):
             _, got = compile_model(model, make_kimi_backend(aux_stream=stream))(ids)
             assert_taps_close(got, want, torch.float32, stream)
@@ -191,6 +205,7 @@ _CODE_COUNTS = {"buffers": r"empty_strided_cpu\(", "clones": r"clone",
                 "capture": r"kimi\.attn_res_capture\.default\(", "mix": r"attn_res_mix"}
 
 
+@pytest.mark.codegen
 @torch.no_grad()
 def test_fused_capture_on_auto_functionalized_v1():
     """vLLM's default functionalization (v1): the consumer's kernel emits the mixture.

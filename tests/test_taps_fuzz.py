@@ -19,7 +19,10 @@ bit-exact.
 Profiles (registered here, not in conftest, so other files keep Hypothesis' defaults):
 ``ci`` (default; few derandomized examples) and ``long`` (``KIMI_PASSES_FUZZ_PROFILE=long``,
 ``KIMI_PASSES_FUZZ_EXAMPLES`` examples, default 1000, seed ``KIMI_PASSES_FUZZ_SEED``, no
-shrinking: each example is a compile). ``KIMI_PASSES_FUZZ_LOG=<file>`` appends one JSON
+shrinking: each example is a compile). ``ci`` compiles with Inductor's
+``fallback_by_default`` (every op an ATen call, as the goldens and most of test_taps.py
+compile: the post-grad graph and the passes are the same, no C++ kernel is built);
+``long`` compiles to C++ kernels. ``KIMI_PASSES_FUZZ_LOG=<file>`` appends one JSON
 line per model example (geometry, outcome, worst error in tolerances, seconds);
 ``KIMI_PASSES_FUZZ_KEEP_GOING=1`` logs failures and carries on (one run counts them all).
 
@@ -56,8 +59,10 @@ import time
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, example, given, seed, settings
+from fuzz_helpers import seeded
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
+from op_helpers import OP_TOL, clone_args
 
 import kimi_passes
 from kimi_passes import AuxCaptureError
@@ -106,11 +111,8 @@ OP_SETTINGS = settings(
 )
 
 
-def seeded(test):
-    """``ci`` is derandomized; ``long`` runs from ``KIMI_PASSES_FUZZ_SEED`` (reported)."""
-    return test if PROFILE == "ci" else seed(SEED)(test)
-
-
+# Not the op tolerance (op_helpers.OP_TOL): a whole compiled model's drift from eager in
+# fp32, and bf16 against a compiled reference ("References and tolerances" above).
 TOL = {torch.float32: 1e-3, torch.bfloat16: 3e-2}
 
 
@@ -169,10 +171,12 @@ def describe(cfg: K3Config, cuts, T, stream, fuse) -> dict:
 
 @pytest.fixture(scope="module", autouse=True)
 def fast_compile():
-    """One compile thread: no worker pool to start on a 2-core box. Caches stay as users
-    have them (FX graph cache on): a refusal must reach the user as ``AuxCaptureError``
-    there, and a cache hit serving another stream's graph would show up as a mismatch."""
-    with torch._inductor.config.patch(compile_threads=1), torch.no_grad():
+    """One compile thread: no worker pool to start on a 2-core box; ``ci``: no C++ build
+    (see the module docstring). Caches stay as users have them (FX graph cache on): a
+    refusal must reach the user as ``AuxCaptureError`` there, and a cache hit serving
+    another stream's graph would show up as a mismatch."""
+    fallback = {"fallback_by_default": True} if PROFILE == "ci" else {}
+    with torch._inductor.config.patch(compile_threads=1, **fallback), torch.no_grad():
         yield
 
 
@@ -279,7 +283,7 @@ def with_explicit(test):
 
 
 @MODEL_SETTINGS
-@seeded
+@seeded(PROFILE, SEED)
 @given(case=k3_cases())
 @with_explicit
 def test_compiled_taps_equal_ground_truth_or_refuse(case):
@@ -356,7 +360,6 @@ def test_strategy_reaches_edges_and_spreads_the_knobs():
 
 # --------------------------------------------------------------------------- op properties
 
-OP_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
 @st.composite
@@ -386,10 +389,6 @@ def op_cases(draw):
     return [prefix, d, blocks, norm_weight, qk, onw, nb, write, eps, 1e-5]
 
 
-def _clones(args):
-    return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-
-
 def _assert_op_close(got, want, dtype, scale):
     assert got.dtype == want.dtype == dtype and got.shape == want.shape
     tol = OP_TOL[dtype]
@@ -397,23 +396,23 @@ def _assert_op_close(got, want, dtype, scale):
 
 
 @OP_SETTINGS
-@seeded
+@seeded(PROFILE, SEED)
 @given(args=op_cases())
 def test_attn_res_ops_match_reference(args):
     dtype = args[0].dtype
     scale = max(1.0, float(args[0].float().abs().max()))
-    ref_args = _clones(args)
+    ref_args = clone_args(args)
     want_out, want_mix = attn_res_reference(*ref_args, return_mix=True)
     want_prefix, want_blocks = ref_args[0], ref_args[2]
 
-    a = _clones(args)
+    a = clone_args(args)
     out = torch.ops.kimi.attn_res(*a)
     # In-place effects are exact: the rounded prefix + delta, the block write, nothing else.
     assert torch.equal(a[0], want_prefix)
     assert torch.equal(a[2], want_blocks)
     _assert_op_close(out, want_out, dtype, 1.0 if args[5] is not None else scale)
 
-    c = _clones(args)
+    c = clone_args(args)
     out_c, mix_c = torch.ops.kimi.attn_res_capture(*c)
     assert torch.equal(c[0], want_prefix) and torch.equal(c[2], want_blocks)
     assert torch.equal(out_c, out), "attn_res_capture's out differs from attn_res"
@@ -421,7 +420,7 @@ def test_attn_res_ops_match_reference(args):
     assert mix_c.untyped_storage().data_ptr() != out_c.untyped_storage().data_ptr()
 
     # The pure read over the updated prefix and bank is the capture's mixture.
-    m_args = _clones([want_prefix, want_blocks])
+    m_args = clone_args([want_prefix, want_blocks])
     mix = torch.ops.kimi.attn_res_mix(m_args[0], m_args[1], args[3], args[4], args[6], args[8])
     assert torch.equal(m_args[0], want_prefix) and torch.equal(m_args[1], want_blocks)
     _assert_op_close(mix, want_mix, dtype, scale)

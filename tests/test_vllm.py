@@ -338,19 +338,33 @@ def test_import_kimi_passes_does_not_import_vllm_and_adapter_names_the_install()
 
 
 def test_three_processes_share_one_vllm_cache_root(tmp_path):
-    """attn_res, prefix, attn_res: each served its own stream; the third from the cache."""
+    """attn_res, prefix, attn_res: each served its own stream; the third from the cache.
+
+    The processes start together (importing vLLM is most of a process's time) and compile
+    one after another: each waits (``--wait``) until the one before it has exited.
+    """
     env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path / "vllm"),
            "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
     env.pop("VLLM_DISABLE_COMPILE_CACHE", None)
+    streams = ("attn_res", "prefix", "attn_res")
+    outs = [tmp_path / f"out{i}.json" for i in range(len(streams))]
+    procs = [subprocess.Popen([sys.executable, str(HERE / "vllm_harness.py"), stream,
+                               "adapter", str(out), "--wait"], env=env, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
+             for stream, out in zip(streams, outs, strict=True)]
     results = []
-    for i, stream in enumerate(("attn_res", "prefix", "attn_res")):
-        out = tmp_path / f"out{i}.json"
-        proc = subprocess.run([sys.executable, str(HERE / "vllm_harness.py"), stream,
-                               "adapter", str(out)], env=env, capture_output=True,
-                              text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        results.append(json.loads(out.read_text()))
+    try:
+        for proc, out in zip(procs, outs, strict=True):
+            _, stderr = proc.communicate("go\n", timeout=600)
+            assert proc.returncode == 0, stderr[-3000:]
+            results.append(json.loads(out.read_text()))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
     for r in results:
         assert "error" not in r, r
         assert r["taps"] == 4

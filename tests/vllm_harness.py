@@ -27,6 +27,7 @@ import sys  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from k3_helpers import token_ids  # noqa: E402  (tests/ is on sys.path, first when a script)
 from torch import nn  # noqa: E402
 
 import kimi_passes  # noqa: E402,F401
@@ -140,10 +141,6 @@ def ground_truth(model, input_ids):
         return model.k3.ground_truth(input_ids)[1]
 
 
-def token_ids(cfg: K3Config, T: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(seed))
-
-
 def counter():
     from vllm.compilation.counter import compilation_counter
 
@@ -175,7 +172,7 @@ def callable_route_module(stream: str, unguarded: bool = False) -> str:
 
 
 def main(argv=None) -> int:
-    """One serving process: ``python tests/vllm_harness.py STREAM ROUTE OUT.json``.
+    """One serving process: ``python tests/vllm_harness.py STREAM ROUTE OUT.json [--wait]``.
 
     ``ROUTE``: ``adapter`` (``kimi_passes.vllm.compile_config_entries``), ``named``
     (``inductor_passes`` naming ``kimi_passes.vllm.<stream>_stream_pass``), ``callable``
@@ -184,19 +181,33 @@ def main(argv=None) -> int:
     refusal of that wrapper switched off: what the refusal prevents). vLLM's compile
     cache is on, rooted at ``$VLLM_CACHE_ROOT``. Writes the taps' errors, any error and
     the cache counters to ``OUT.json``.
+
+    The pieces are lowered with Inductor's ``fallback_by_default`` (ATen calls, no C++
+    build): what a process is served from the cache is the question, not codegen.
+    ``--wait``: once vLLM is imported, wait for a line on stdin before building the config
+    (a parent can start several processes, let their imports overlap and have them
+    compile one after another).
     """
-    stream, route, out = (argv or sys.argv[1:])[:3]
+    args = argv or sys.argv[1:]
+    stream, route, out = args[:3]
+    if "--wait" in args[3:]:
+        import vllm.compilation.decorators  # noqa: F401  (the imports that take time)
+        import vllm.config  # noqa: F401
+
+        sys.stdin.readline()
     cfg = K3Config.tiny()
+    fast = {"fallback_by_default": True}
     if route == "adapter":
         from kimi_passes.vllm import compile_config_entries
-        config = vllm_config(inductor_compile_config=compile_config_entries(stream))
+        config = vllm_config(inductor_compile_config={**compile_config_entries(stream), **fast})
     elif route == "named":
         import kimi_passes.vllm  # noqa: F401
-        config = vllm_config(inductor_passes={
+        config = vllm_config(inductor_compile_config=fast, inductor_passes={
             "post_grad_custom_post_pass": f"kimi_passes.vllm.{stream}_stream_pass"})
     elif route in ("callable", "callable_unguarded"):
         qualname = callable_route_module(stream, unguarded=route == "callable_unguarded")
-        config = vllm_config(inductor_passes={"post_grad_custom_post_pass": qualname})
+        config = vllm_config(inductor_compile_config=fast,
+                             inductor_passes={"post_grad_custom_post_pass": qualname})
     else:
         raise SystemExit(f"unknown route {route!r}")
     model = compile_k3(cfg, config)
