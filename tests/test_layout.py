@@ -145,15 +145,15 @@ def copy_checkout(dest: Path, parts=("kimi_passes", "ops", "graphs")) -> Path:
 
 def editable_root() -> Path | None:
     """The checkout this environment's editable install of kimi-passes maps, if any."""
-    try:
-        dist = metadata.distribution("kimi-passes")
-    except metadata.PackageNotFoundError:
-        return None
-    text = dist.read_text("direct_url.json")
-    info = json.loads(text) if text else {}
-    if not info.get("dir_info", {}).get("editable"):
-        return None
-    return Path(info["url"].removeprefix("file://")).resolve()
+    # Every kimi-passes distribution on sys.path: the editable install writes
+    # kimi_passes.egg-info into the checkout, and pytest run from its root finds that
+    # one first (no direct_url.json); the installed one is in site-packages.
+    for dist in metadata.distributions(name="kimi-passes"):
+        text = dist.read_text("direct_url.json")
+        info = json.loads(text) if text else {}
+        if info.get("dir_info", {}).get("editable"):
+            return Path(info["url"].removeprefix("file://")).resolve()
+    return None
 
 
 def under(path: str, root: Path) -> bool:
