@@ -30,12 +30,10 @@ AttnResArgumentError = kimi_ops.AttnResArgumentError
 attn_res_reference = kimi_ops.attn_res_reference
 attn_res_mix_reference = kimi_ops.attn_res_mix_reference
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.jit")
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.jit"),
+              pytest.mark.usefixtures("one_thread")]
 
 OPS = torch.ops.kimi
-
-
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --------------------------------------------------------------------------- helpers
