@@ -53,3 +53,26 @@ def aten_fallback(request):
         return
     with torch._inductor.config.patch(fallback_by_default=True):
         yield
+
+
+# Modules whose tests share one expensive module-scoped run (three serving processes, a
+# group of ranks, an offline build of every kernel, vLLM compiles kept for the v1 == v2
+# test): under pytest-xdist each runs whole on one worker, so the run happens once.
+SHARED_SETUP_MODULES = frozenset({"tests/test_cache_safety.py", "tests/test_distributed_stages.py",
+                                  "tests/test_kernel_build.py", "tests/test_vllm.py"})
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """The README runs ``-n auto``: every other test is its own unit of work. Units go
+    out largest first (xdist's default for scoped scheduling), so those modules start
+    first and the single tests fill in around them. (``--dist loadgroup`` would say the
+    same with markers, but pytest 9 ignores the node-id suffix it relies on.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedSetupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if module in SHARED_SETUP_MODULES else nodeid
+
+    return SharedSetupScheduling(config, log)

@@ -44,10 +44,6 @@ from kimi_passes.graphs.k3 import K3Config  # noqa: E402
 HERE = Path(__file__).resolve().parent
 TOL = OP_TOL[torch.float32]  # fp32 taps: the op's tolerance
 
-# One xdist worker runs this module: its tests share compiles (``compiled`` keeps each
-# one for the v1 == v2 test).
-pytestmark = pytest.mark.xdist_group("vllm")
-
 MODELS = {
     # The reference tiny K3: 4 layers, 2 blocks of 2, H=64, taps 0, 2 (a write), 3, L=4.
     "k3_tiny": K3Config.tiny(),
