@@ -311,15 +311,10 @@ def test_named_string_route_keeps_the_adapter():
     assert len(uuids) == 2
 
 
-def test_callable_string_route_is_refused(monkeypatch):
+def test_callable_string_route_is_refused():
     """A plain kimi pass named in ``inductor_passes`` gets vLLM's class-source cache key:
     compiling under it is refused, so no graph is ever cached under a key that ignores
     the stream."""
-    from kimi_passes.taps.stream import ENV_VAR
-
-    # The helper sets the stream variable (as a deployment would); restored after the
-    # test, or every later compile in this process would resolve the prefix stream.
-    monkeypatch.setenv(ENV_VAR, "prefix")
     qualname = h.callable_route_module("prefix")
     config = h.vllm_config(inductor_passes={"post_grad_custom_post_pass": qualname})
     p = config.compilation_config.inductor_compile_config["post_grad_custom_post_pass"]

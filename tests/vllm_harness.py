@@ -151,19 +151,22 @@ def callable_route_module(stream: str, unguarded: bool = False) -> str:
     """A top-level module holding a plain ``AuxStreamPass``, for the string route.
 
     One name, ``aux_pass``, whose stream comes from ``$KIMI_PASSES_AUX_STREAM`` (set to
-    ``stream`` here): the way a deployment A/Bs streams without touching its config.
+    ``stream`` while the pass is built, then restored: the stream is resolved then, and a
+    variable left set would steer every later compile in the process): the way a
+    deployment A/Bs streams without touching its config.
     vLLM wraps it in ``CallableInductorPass``. ``unguarded`` switches kimi_passes'
     refusal of that wrapper off in this process, to measure what the refusal prevents.
     """
     import types
+    from unittest import mock
 
     from kimi_passes import AuxStreamPass
     from kimi_passes.taps.stream import ENV_VAR, resolve_aux_stream
 
-    os.environ[ENV_VAR] = stream
     name = "kimi_vllm_callable_route"
     module = types.ModuleType(name)
-    module.aux_pass = AuxStreamPass(resolve_aux_stream())
+    with mock.patch.dict(os.environ, {ENV_VAR: stream}):
+        module.aux_pass = AuxStreamPass(resolve_aux_stream())
     sys.modules[name] = module
     if unguarded:
         import kimi_passes.taps.aux_stream
