@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 from op_helpers import OP_TOL
+from process_helpers import one_after_another
 
 from kimi_passes.backend import build_passes
 from kimi_passes.fusion import AttnResFusionPass
@@ -79,20 +79,7 @@ TOL = OP_TOL[torch.float32]  # fp32 taps: the op's tolerance
 TIMEOUT_S = 300
 
 
-def start_stream(stream: str, cache_dir) -> subprocess.Popen:
-    """A process that imports, then waits for a line on stdin before it compiles."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("TORCHINDUCTOR_", "KIMI_PASSES_"))}
-    env["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
-    return subprocess.Popen([sys.executable, "-c", SCRIPT, stream], env=env, text=True,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
-
-
-def finish_stream(proc: subprocess.Popen, stream: str) -> dict:
-    """Let ``proc`` compile and run; its result once it has exited."""
-    stdout, stderr = proc.communicate("go\n", timeout=TIMEOUT_S)
-    assert proc.returncode == 0, f"{stream} process failed:\n{stderr[-4000:]}"
+def result(stdout: str) -> dict:
     lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
     assert len(lines) == 1, stdout
     return json.loads(lines[0].removeprefix("RESULT "))
@@ -100,16 +87,13 @@ def finish_stream(proc: subprocess.Popen, stream: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    cache_dir = tmp_path_factory.mktemp("inductor_cache")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("TORCHINDUCTOR_", "KIMI_PASSES_"))}
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor_cache"))
     streams = ("attn_res", "prefix", "attn_res")
-    procs = [start_stream(s, cache_dir) for s in streams]
-    try:
-        return [finish_stream(p, s) for p, s in zip(procs, streams, strict=True)]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+    outputs = one_after_another([[sys.executable, "-c", SCRIPT, s] for s in streams], env,
+                                TIMEOUT_S)
+    return [result(out) for out in outputs]
 
 
 def test_each_process_gets_its_own_streams_taps(runs):

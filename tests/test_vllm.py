@@ -37,6 +37,7 @@ if importlib.util.find_spec("vllm") is None:  # test_vllm_required.py fails on C
 import torch  # noqa: E402
 import vllm_harness as h  # noqa: E402
 from op_helpers import OP_TOL  # noqa: E402
+from process_helpers import one_after_another  # noqa: E402
 
 from kimi_passes import AuxCaptureError  # noqa: E402
 from kimi_passes.graphs.k3 import K3Config  # noqa: E402
@@ -350,22 +351,10 @@ def test_three_processes_share_one_vllm_cache_root(tmp_path):
     env.pop("VLLM_DISABLE_COMPILE_CACHE", None)
     streams = ("attn_res", "prefix", "attn_res")
     outs = [tmp_path / f"out{i}.json" for i in range(len(streams))]
-    procs = [subprocess.Popen([sys.executable, str(HERE / "vllm_harness.py"), stream,
-                               "adapter", str(out), "--wait"], env=env, text=True,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE)
-             for stream, out in zip(streams, outs, strict=True)]
-    results = []
-    try:
-        for proc, out in zip(procs, outs, strict=True):
-            _, stderr = proc.communicate("go\n", timeout=600)
-            assert proc.returncode == 0, stderr[-3000:]
-            results.append(json.loads(out.read_text()))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+    one_after_another([[sys.executable, str(HERE / "vllm_harness.py"), stream, "adapter",
+                        str(out), "--wait"] for stream, out in zip(streams, outs, strict=True)],
+                      env, timeout=600)
+    results = [json.loads(out.read_text()) for out in outs]
     for r in results:
         assert "error" not in r, r
         assert r["taps"] == 4
