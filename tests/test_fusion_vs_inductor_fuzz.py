@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import time
 
 import pytest
@@ -71,7 +70,7 @@ from fusion_programs import (
     programs,
     reference,
 )
-from fuzz_helpers import seeded
+from fuzz_helpers import fuzz_env, seeded
 from hypothesis import HealthCheck, Phase, example, given, settings
 from torch._inductor import config as inductor_config
 
@@ -80,10 +79,7 @@ from kimi_passes.debug.recording import GraphRecorder
 from kimi_passes.fusion import AttnResFusionPass
 from kimi_passes.passes.manager import PassObserver
 
-PROFILE = os.environ.get("KIMI_PASSES_FUSION_FUZZ_PROFILE", "ci")
-SEED = int(os.environ.get("KIMI_PASSES_FUSION_FUZZ_SEED", "20261201"))
-LOG = os.environ.get("KIMI_PASSES_FUSION_FUZZ_LOG")
-KEEP_GOING = os.environ.get("KIMI_PASSES_FUSION_FUZZ_KEEP_GOING") == "1"
+PROFILE, SEED, LOG, KEEP_GOING, EXAMPLES = fuzz_env("KIMI_PASSES_FUSION_FUZZ", 20261201, 500)
 KEPT_FAILURES: list[dict] = []
 
 settings.register_profile(
@@ -91,11 +87,9 @@ settings.register_profile(
     phases=[Phase.explicit, Phase.generate],
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large], print_blob=True)
 settings.register_profile(
-    "fusion-long", max_examples=int(os.environ.get("KIMI_PASSES_FUSION_FUZZ_EXAMPLES", "500")),
+    "fusion-long", max_examples=EXAMPLES,
     deadline=None, database=None, phases=[Phase.explicit, Phase.generate],
     suppress_health_check=list(HealthCheck), print_blob=True)
-if PROFILE not in ("ci", "long"):
-    raise ValueError(f"KIMI_PASSES_FUSION_FUZZ_PROFILE={PROFILE!r}: use 'ci' or 'long'")
 FUZZ_SETTINGS = settings(settings.get_profile(f"fusion-{PROFILE}"))
 
 

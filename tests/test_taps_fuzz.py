@@ -53,13 +53,12 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import random
 import time
 
 import pytest
 import torch
-from fuzz_helpers import seeded
+from fuzz_helpers import fuzz_env, seeded
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 from op_helpers import OP_TOL, clone_args
@@ -71,12 +70,9 @@ from kimi_passes.ops import attn_res_mix_reference, attn_res_reference
 
 # --------------------------------------------------------------------------- profiles
 
-PROFILE = os.environ.get("KIMI_PASSES_FUZZ_PROFILE", "ci")
-SEED = int(os.environ.get("KIMI_PASSES_FUZZ_SEED", "20260806"))
-LOG = os.environ.get("KIMI_PASSES_FUZZ_LOG")
-# Long runs only: log a failing example and go on, so one run counts every failure;
-# ``test_kept_going_without_failures`` (run after the property) then fails the session.
-KEEP_GOING = os.environ.get("KIMI_PASSES_FUZZ_KEEP_GOING") == "1"
+# KEEP_GOING (long runs only): log a failing example and go on, so one run counts every
+# failure; ``test_kept_going_without_failures`` (run after the property) then fails the session.
+PROFILE, SEED, LOG, KEEP_GOING, EXAMPLES = fuzz_env("KIMI_PASSES_FUZZ", 20260806, 1000)
 KEPT_FAILURES: list[dict] = []
 
 settings.register_profile(
@@ -93,15 +89,13 @@ settings.register_profile(
 )
 settings.register_profile(
     "long",
-    max_examples=int(os.environ.get("KIMI_PASSES_FUZZ_EXAMPLES", "1000")),
+    max_examples=EXAMPLES,
     deadline=None,
     database=None,
     phases=[Phase.explicit, Phase.generate],
     suppress_health_check=list(HealthCheck),
     print_blob=True,
 )
-if PROFILE not in ("ci", "long"):
-    raise ValueError(f"KIMI_PASSES_FUZZ_PROFILE={PROFILE!r}: use 'ci' or 'long'")
 
 # Applied per test (not load_profile), so other test files keep their own settings.
 MODEL_SETTINGS = settings(settings.get_profile(PROFILE))
