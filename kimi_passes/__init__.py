@@ -25,14 +25,17 @@ from kimi_passes.backend import (  # noqa: E402
 from kimi_passes.debug.graph_text import graph_text  # noqa: E402
 from kimi_passes.errors import AuxCaptureError  # noqa: E402
 from kimi_passes.taps import AuxStreamPass, aux_tap  # noqa: E402
+from kimi_passes.taps.drafter import DrafterTaps, drafter_capture_ids  # noqa: E402
 
 register()
 
 __all__ = [
     "AuxCaptureError",
     "AuxStreamPass",
+    "DrafterTaps",
     "KimiBackend",
     "aux_tap",
+    "drafter_capture_ids",
     "graph_text",
     "kimi_backend",
     "make_kimi_backend",

@@ -248,7 +248,9 @@ def test_what_users_import_keeps_working():
 
     assert sorted(kimi_passes.__all__) == sorted([
         "AuxCaptureError", "AuxStreamPass", "KimiBackend", "aux_tap", "graph_text",
-        "kimi_backend", "make_kimi_backend", "ops"])
+        "kimi_backend", "make_kimi_backend", "ops",
+        # Added since (issue: drafter configs): what a drafter config declares.
+        "DrafterTaps", "drafter_capture_ids"])
     for name in kimi_passes.__all__:
         assert getattr(kimi_passes, name) is not None, name
     assert callable(kimi_passes.graph_text)  # the function, not the module of that name
