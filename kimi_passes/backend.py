@@ -17,8 +17,9 @@ from kimi_passes.errors import AuxCaptureError
 from kimi_passes.fusion import AttnResFusionPass
 from kimi_passes.passes.fx_toolkit import calls_to
 from kimi_passes.passes.manager import KimiPassManager
-from kimi_passes.taps.aux_stream import AuxStreamPass
+from kimi_passes.taps.aux_stream import AuxStreamPass, GraphEnd
 from kimi_passes.taps.consumer import AUX_TAP
+from kimi_passes.taps.drafter import DrafterTaps, drafter_capture_ids
 from kimi_passes.taps.stream import resolve_aux_stream
 from kimi_passes.training.pre_autograd import fuse_before_autograd, needs_autograd
 
@@ -31,10 +32,25 @@ def _has_taps(gm: torch.fx.GraphModule) -> bool:
 
 
 def build_passes(aux_stream: str, fuse_capture: bool = True, fuse_torch_mixing: bool = True,
-                 observers=()) -> KimiPassManager:
-    """The pass list: AttnRes mixing fusion (``fuse_torch_mixing``), then the aux stream."""
+                 observers=(), drafter: DrafterTaps | None = None) -> KimiPassManager:
+    """The pass list: AttnRes mixing fusion (``fuse_torch_mixing``), then the aux stream.
+
+    ``drafter``: the capture ids the drafter declares (``drafter_capture_ids``); every
+    compiled graph must tap exactly those it owns.
+    """
     passes = [AttnResFusionPass()] if fuse_torch_mixing else []
-    return KimiPassManager([*passes, AuxStreamPass(aux_stream, fuse=fuse_capture)], observers)
+    aux = AuxStreamPass(aux_stream, fuse=fuse_capture, drafter=drafter)
+    return KimiPassManager([*passes, aux], observers)
+
+
+def graph_end(gm: torch.fx.GraphModule) -> GraphEnd:
+    """Why Dynamo ended ``gm``: a graph break's reason and user frame, or the return."""
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is None or not getattr(reason, "graph_break", False):
+        return GraphEnd()
+    stack = getattr(reason, "user_stack", None) or []
+    where = f"{stack[-1].filename}:{stack[-1].lineno}" if stack else "an unknown line"
+    return GraphEnd(str(reason.reason).strip().splitlines()[0], where)
 
 
 class KimiBackend:
@@ -50,7 +66,9 @@ class KimiBackend:
     def __init__(self, aux_stream=None, draft_config=None, fuse_capture=True,
                  fuse_torch_mixing=True, **inductor_config):
         self.aux_stream = resolve_aux_stream(aux_stream, draft_config)
-        self.passes = build_passes(self.aux_stream, fuse_capture, fuse_torch_mixing)
+        self.drafter = drafter_capture_ids(draft_config)
+        self.passes = build_passes(self.aux_stream, fuse_capture, fuse_torch_mixing,
+                                   drafter=self.drafter)
         self.training_passes = KimiPassManager([self.aux_pass])
         self.training_passes.observers = self.passes.observers
         self.pre_autograd = KimiPassManager(
@@ -85,6 +103,7 @@ class KimiBackend:
                 functorch_patches["donated_buffer"] = False
             if self.pre_autograd is not None:
                 gm = fuse_before_autograd(gm, example_inputs, self.pre_autograd)
+        self.aux_pass.graph_end = graph_end(gm)
         patches = {**mode_patches, **self.inductor_config, "post_grad_custom_post_pass": passes}
         try:
             with torch._functorch.config.patch(functorch_patches):
@@ -96,14 +115,18 @@ class KimiBackend:
             raise
 
     def __repr__(self) -> str:
-        return f"KimiBackend(aux_stream={self.aux_stream!r})"
+        drafter = "" if self.drafter is None else (
+            f", drafter_capture_ids={list(self.drafter.capture_ids)}")
+        return f"KimiBackend(aux_stream={self.aux_stream!r}{drafter})"
 
 
 def make_kimi_backend(aux_stream: str | None = None, draft_config=None, **inductor_config):
     """A backend serving ``aux_stream`` (argument > $KIMI_PASSES_AUX_STREAM > drafter > attn_res).
 
-    ``draft_config``: a drafter config dict, or the path of its config.json, whose
-    ``aux_hidden_stream`` names the stream it was trained on. Extra keyword
+    ``draft_config``: a drafter config dict, or the path of its config.json (or folder),
+    whose ``aux_hidden_stream`` names the stream it was trained on and whose layer list
+    (any spelling ``drafter_capture_ids`` reads) names the capture ids it reads: every
+    compiled graph must then tap exactly those, or ``AuxCaptureError``. Extra keyword
     arguments are Inductor config patches (plus ``fuse_capture``, the aux-stream
     pass's switch: False captures with a separate ``attn_res_mix`` read; and
     ``fuse_torch_mixing``: False leaves AttnRes mixing written in plain torch unfused).

@@ -40,6 +40,7 @@ import torch
 from kimi_passes.backend import KimiPassManager, build_passes
 from kimi_passes.errors import AuxCaptureError
 from kimi_passes.taps.aux_stream import AuxStreamPass
+from kimi_passes.taps.drafter import DrafterTaps, drafter_capture_ids
 from kimi_passes.taps.stream import resolve_aux_stream
 
 #: The key vLLM reads the user's post-grad pass from.
@@ -49,20 +50,36 @@ PASS_KEY = "post_grad_custom_post_pass"
 class KimiVllmPass(InductorPass):
     """vLLM's ``InductorPass`` running the ``kimi_backend`` pass manager.
 
-    ``uuid()`` is the manager's (every pass source, the stream and every option), so
-    vLLM's compile cache and Inductor's FX graph cache never serve one stream's graph
-    to another.
+    ``uuid()`` is the manager's (every pass source, the stream, every option and the
+    drafter's capture ids), so vLLM's compile cache and Inductor's FX graph cache never
+    serve one stream's or one drafter's graph to another.
+
+    The drafter: ``draft_config`` when given, else the one vLLM serves
+    (``speculative_config.draft_model_config.hf_config``, read when vLLM compiles, for the
+    methods that feed a drafter aux hidden states), so the string route checks it too.
     """
 
     def __init__(self, aux_stream: str, fuse_capture: bool = True,
-                 fuse_torch_mixing: bool = True):
+                 fuse_torch_mixing: bool = True, draft_config=None):
         self.aux_stream = aux_stream
         self.fuse_capture = fuse_capture
         self.fuse_torch_mixing = fuse_torch_mixing
-        self.manager: KimiPassManager = build_passes(aux_stream, fuse_capture,
-                                                     fuse_torch_mixing)
+        self.draft_config = draft_config
+        self.manager: KimiPassManager = build_passes(
+            aux_stream, fuse_capture, fuse_torch_mixing,
+            drafter=drafter_capture_ids(draft_config))
+
+    def _sync_drafter(self) -> None:
+        """Without an explicit ``draft_config``, check against the drafter vLLM serves."""
+        if self.draft_config is not None:
+            return
+        drafter = served_drafter()
+        aux = self.manager.get(AuxStreamPass)
+        if drafter != aux.drafter:
+            aux.drafter = drafter
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        self._sync_drafter()
         split_ops = _splitting_ops()
         marker_ops = [op for op in split_ops or () if op.split(".")[0] == "kimi::aux_tap"]
         if marker_ops:
@@ -78,6 +95,7 @@ class KimiVllmPass(InductorPass):
         self.manager(graph)
 
     def uuid(self) -> str:
+        self._sync_drafter()
         return self.manager.uuid()
 
     def is_applicable_for_range(self, compile_range) -> bool:
@@ -88,12 +106,38 @@ class KimiVllmPass(InductorPass):
 
     def __deepcopy__(self, memo):
         # vLLM deep-copies its config; a fresh manager with the same options is equal.
-        return KimiVllmPass(self.aux_stream, self.fuse_capture, self.fuse_torch_mixing)
+        return KimiVllmPass(self.aux_stream, self.fuse_capture, self.fuse_torch_mixing,
+                            self.draft_config)
 
     def __repr__(self) -> str:
+        drafter = self.manager.get(AuxStreamPass).drafter
+        ids = "" if drafter is None else f", drafter_capture_ids={list(drafter.capture_ids)}"
         return (f"KimiVllmPass(aux_stream={self.aux_stream!r}, "
                 f"fuse_capture={self.fuse_capture}, "
-                f"fuse_torch_mixing={self.fuse_torch_mixing})")
+                f"fuse_torch_mixing={self.fuse_torch_mixing}{ids})")
+
+
+#: vLLM's speculative methods whose drafter reads the target's aux hidden states
+#: (vLLM's ``requires_aux_hidden_states``).
+AUX_METHODS = ("eagle3", "dflash", "dspark", "extract_hidden_states")
+
+
+def served_drafter() -> DrafterTaps | None:
+    """The capture ids of the drafter vLLM's current config serves, if it reads any."""
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+    except ImportError:  # older vLLM
+        return None
+    config = get_current_vllm_config_or_none()
+    spec = getattr(config, "speculative_config", None)
+    draft = getattr(spec, "draft_model_config", None)
+    if draft is None or getattr(spec, "method", None) not in AUX_METHODS:
+        return None
+    target = getattr(getattr(config, "model_config", None), "hf_config", None)
+    num_layers = getattr(target, "num_hidden_layers", None)
+    return drafter_capture_ids(
+        draft.hf_config, num_layers if isinstance(num_layers, int) else None,
+        source=f"vLLM serves ({spec.method}: speculative_config.draft_model_config.hf_config)")
 
 
 def _splitting_ops() -> tuple[str, ...] | None:
@@ -120,7 +164,7 @@ def aux_stream_pass(aux_stream: str | None = None, draft_config=None, fuse_captu
     else ``"attn_res"``; once, here.
     """
     stream = resolve_aux_stream(aux_stream, draft_config)
-    return KimiVllmPass(stream, fuse_capture, fuse_torch_mixing)
+    return KimiVllmPass(stream, fuse_capture, fuse_torch_mixing, draft_config)
 
 
 def compile_config_entries(aux_stream: str | None = None, draft_config=None,

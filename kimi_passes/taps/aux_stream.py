@@ -30,8 +30,10 @@ captures it (a second read of the bank; for A/B and benchmarks).
 Refused with ``AuxCaptureError`` (at compile time, never a silent fallback): a
 tap with no consumer in the graph (the end of a non-final pipeline stage), a
 consumer whose layer or ``num_blocks`` contradicts the capture id, two taps
-claiming one id, and markers in a graph with no AttnRes op. Under a host that compiles
-the model in pieces (vLLM), a tap cut off from its consumer names the splitting ops.
+claiming one id, and markers in a graph with no AttnRes op. A tap cut off from its
+consumer by a graph break names the break; under a host that compiles the model in pieces
+(vLLM), the splitting ops. With a drafter config (``drafter``), a graph whose taps are not
+exactly the declared ids it owns (``taps/served.py``), before any rewrite.
 """
 
 from __future__ import annotations
@@ -53,9 +55,19 @@ from kimi_passes.taps.consumer import (
     find_consumers,
     mix_nodes,
 )
+from kimi_passes.taps.drafter import DrafterTaps
+from kimi_passes.taps.served import DrafterCheck
 from kimi_passes.taps.stream import STREAMS
 
 kimi = torch.ops.kimi
+
+
+@dataclass(frozen=True)
+class GraphEnd:
+    """Why Dynamo ended the graph: ``reason`` and ``where`` for a graph break, else None."""
+
+    reason: str | None = None
+    where: str | None = None
 
 
 @dataclass
@@ -78,7 +90,8 @@ class TapRewrite:
 class AuxStreamPass(KimiGraphPass):
     """Rewrite ``kimi.aux_tap`` markers to the stream a drafter was trained on."""
 
-    def __init__(self, stream: str = "attn_res", fuse: bool = True):
+    def __init__(self, stream: str = "attn_res", fuse: bool = True,
+                 drafter: DrafterTaps | None = None):
         if stream not in STREAMS:
             raise ValueError(
                 f"AuxStreamPass: unknown stream {stream!r}; use one of {list(STREAMS)}"
@@ -91,18 +104,40 @@ class AuxStreamPass(KimiGraphPass):
         #: the graph was split at, so that a tap cut off from its consumer is blamed on
         #: the split rather than on a pipeline stage. Not an option: it changes messages only.
         self.split_ops: tuple[str, ...] | None = None
+        #: Set by ``kimi_backend`` for each Dynamo graph: why the graph ends (a graph break's
+        #: reason and place), so that a tap cut off from its consumer by a break is blamed on
+        #: it. None: not known (the pass installed alone). Message only, like ``split_ops``.
+        self.graph_end: GraphEnd | None = None
+        self.drafter = drafter
+
+    @property
+    def drafter(self) -> DrafterTaps | None:
+        """The drafter's declared capture ids (``drafter_capture_ids``), checked per graph."""
+        return self._drafter
+
+    @drafter.setter
+    def drafter(self, drafter: DrafterTaps | None) -> None:
+        self._drafter = drafter
+        self._check = DrafterCheck(drafter) if drafter is not None else None
 
     def options(self) -> dict:
-        return {"stream": self.stream, "fuse": self.fuse}
+        # The declared ids are part of the key: a new drafter never reuses a graph checked
+        # against another (speculators #996: ids that changed and silently did nothing).
+        drafter = self.drafter.key_options() if self.drafter is not None else {}
+        return {"stream": self.stream, "fuse": self.fuse, **drafter}
 
     def run(self, graph: torch.fx.Graph) -> list[str]:
         check_host_key(self)
         taps = calls_to(graph, AUX_TAP)
         self.last_rewrites = []
-        if not taps:
+        if not taps and self._check is None:
             return []
         geometry = _Geometry.of(graph)
         _check_unique_ids(taps, geometry)
+        if self._check is not None:
+            self._check([tap.args[1] for tap in taps], geometry)
+        if not taps:
+            return []
         rewrites = [self._rewrite(graph, tap, geometry) for tap in taps]
         graph.eliminate_dead_code()
         self.last_rewrites = rewrites
@@ -117,7 +152,7 @@ class AuxStreamPass(KimiGraphPass):
         # The prefix stream needs no consumer (a boundary tap, or no AttnRes op at all, is
         # served as is: the remedy the refusals name); one that is found is still checked.
         consumer = _find_consumer(graph, tap, geometry, required=self.stream != "prefix",
-                                  split_ops=self.split_ops)
+                                  split_ops=self.split_ops, graph_end=self.graph_end)
         if self.stream == "prefix":
             new, fused = value, None
         elif isinstance(consumer, Node):  # an attn_res_mix already reads it
@@ -219,19 +254,28 @@ def _check_unique_ids(taps: list[Node], geometry: _Geometry) -> None:
 
 
 def _find_consumer(graph: torch.fx.Graph, tap: Node, geometry: _Geometry, required=True,
-                   split_ops=None):
+                   split_ops=None, graph_end: GraphEnd | None = None):
     value, k = tap.args
     found = find_consumers(graph, value, geometry.calls, geometry.mixes)
     if not required and (not geometry.has_attn_res or not found):
         return None
     if not found and split_ops is not None:
         _refuse_split(k, split_ops, geometry)
+    broke = graph_end is not None and graph_end.reason is not None
+    if not found and (broke or not geometry.has_attn_res and _passes_through(tap)):
+        raise AuxCaptureError(_graph_break_message(k, graph_end))
+    # Without the graph's end from Dynamo (the pass installed alone), a break is possible.
+    maybe_break = "" if graph_end is not None else (
+        ". Or the graph ends at a graph break before the tap's consumer: "
+        "torch.compile(..., fullgraph=True) raises at a break, TORCH_LOGS=graph_breaks lists "
+        "them; remove it")
     if not geometry.has_attn_res:
         raise AuxCaptureError(
             f"capture id {k}: the aux tap marker has no AttnRes op to mix with in this graph "
             "(no kimi.attn_res / attn_res_mix call); the aux-stream pass only applies to "
             "AttnRes models: call the mixing through torch.ops.kimi.attn_res, or compile "
-            "with aux_stream='prefix' if the legacy value is what the drafter wants"
+            "with aux_stream='prefix' if the legacy value is what the drafter wants" +
+            maybe_break
         )
     if not found:
         end = geometry.last_layer + 1 if geometry.last_layer is not None else "?"
@@ -242,7 +286,7 @@ def _find_consumer(graph: torch.fx.Graph, tap: Node, geometry: _Geometry, requir
             "silently feed the drafter a different value. Remedy: drop capture id "
             f"{k} on this stage and tap it on the stage that owns layer {k} (as its first "
             "layer's capture id), or compile with aux_stream='prefix' if the drafter was "
-            "trained on the prefix stream"
+            "trained on the prefix stream" + maybe_break
         )
     if len(found) > 1:
         names = ", ".join(f.describe() if isinstance(f, AttnResCall) else f.name for f in found)
@@ -255,6 +299,31 @@ def _find_consumer(graph: torch.fx.Graph, tap: Node, geometry: _Geometry, requir
     if isinstance(consumer, AttnResCall):
         _check_consumer(k, consumer, geometry)
     return consumer
+
+
+def _passes_through(tap: Node) -> bool:
+    """Does the graph only hand the tap on (nothing in it reads the tapped value)?
+
+    What Dynamo compiles when a graph break in the caller cut the model between the tap
+    and its consumer: a graph holding the marker alone. A model that truly has no AttnRes
+    op reads the tapped value in its next layer.
+    """
+    value = tap.args[0]
+    readers = [u for u in value.users if u is not tap] if isinstance(value, Node) else []
+    return all(u.op == "output" for u in [*tap.users, *readers])
+
+
+def _graph_break_message(k: int, end: GraphEnd | None) -> str:
+    where = (f", at a Dynamo graph break ({end.reason}; at {end.where})"
+             if end is not None and end.reason is not None else
+             ": this graph only hands the tapped value on, so a graph break (here or in the "
+             "function that calls this one) put the tap and its consumer in different graphs")
+    return (
+        f"capture id {k} has no consumer in this graph: the graph ends before the tap's "
+        f"consumer{where}. The AttnRes call that reads the tap runs in another graph, and "
+        "the tap's mixture cannot be computed here. Remedy: remove the graph break "
+        "(torch.compile(..., fullgraph=True) raises at it; TORCH_LOGS=graph_breaks lists "
+        "every break); if the model has no AttnRes op, compile with aux_stream='prefix'")
 
 
 def _check_consumer(k: int, call: AttnResCall, geometry: _Geometry) -> None:
