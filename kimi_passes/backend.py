@@ -15,6 +15,7 @@ from torch._dynamo.exc import BackendCompilerFailed
 
 from kimi_passes.errors import AuxCaptureError
 from kimi_passes.fusion import AttnResFusionPass
+from kimi_passes.lowering import LowerKimiOps
 from kimi_passes.passes.fx_toolkit import calls_to
 from kimi_passes.passes.manager import KimiPassManager
 from kimi_passes.taps.aux_stream import AuxStreamPass, GraphEnd
@@ -32,15 +33,18 @@ def _has_taps(gm: torch.fx.GraphModule) -> bool:
 
 
 def build_passes(aux_stream: str, fuse_capture: bool = True, fuse_torch_mixing: bool = True,
-                 observers=(), drafter: DrafterTaps | None = None) -> KimiPassManager:
-    """The pass list: AttnRes mixing fusion (``fuse_torch_mixing``), then the aux stream.
+                 observers=(), drafter: DrafterTaps | None = None,
+                 lower_kimi_ops: bool = True) -> KimiPassManager:
+    """The pass list: AttnRes mixing fusion (``fuse_torch_mixing``), then the aux stream;
+    then, on CPU, the kimi ops lowered to generated code (``lower_kimi_ops``).
 
     ``drafter``: the capture ids the drafter declares (``drafter_capture_ids``); every
     compiled graph must tap exactly those it owns.
     """
     passes = [AttnResFusionPass()] if fuse_torch_mixing else []
-    aux = AuxStreamPass(aux_stream, fuse=fuse_capture, drafter=drafter)
-    return KimiPassManager([*passes, aux], observers)
+    aux = AuxStreamPass(aux_stream, fuse=fuse_capture, drafter=drafter, lower=False)
+    return KimiPassManager([*passes, aux], observers,
+                           lowering=LowerKimiOps() if lower_kimi_ops else None)
 
 
 def graph_end(gm: torch.fx.GraphModule) -> GraphEnd:
@@ -64,12 +68,13 @@ class KimiBackend:
     """
 
     def __init__(self, aux_stream=None, draft_config=None, fuse_capture=True,
-                 fuse_torch_mixing=True, **inductor_config):
+                 fuse_torch_mixing=True, lower_kimi_ops=True, **inductor_config):
         self.aux_stream = resolve_aux_stream(aux_stream, draft_config)
         self.drafter = drafter_capture_ids(draft_config)
         self.passes = build_passes(self.aux_stream, fuse_capture, fuse_torch_mixing,
-                                   drafter=self.drafter)
-        self.training_passes = KimiPassManager([self.aux_pass])
+                                   drafter=self.drafter, lower_kimi_ops=lower_kimi_ops)
+        self.training_passes = KimiPassManager(
+            [self.aux_pass], lowering=LowerKimiOps() if lower_kimi_ops else None)
         self.training_passes.observers = self.passes.observers
         self.pre_autograd = KimiPassManager(
             [AttnResFusionPass(differentiable=True)], phase="pre_autograd") if (
@@ -128,8 +133,9 @@ def make_kimi_backend(aux_stream: str | None = None, draft_config=None, **induct
     (any spelling ``drafter_capture_ids`` reads) names the capture ids it reads: every
     compiled graph must then tap exactly those, or ``AuxCaptureError``. Extra keyword
     arguments are Inductor config patches (plus ``fuse_capture``, the aux-stream
-    pass's switch: False captures with a separate ``attn_res_mix`` read; and
-    ``fuse_torch_mixing``: False leaves AttnRes mixing written in plain torch unfused).
+    pass's switch: False captures with a separate ``attn_res_mix`` read;
+    ``fuse_torch_mixing``: False leaves AttnRes mixing written in plain torch unfused; and
+    ``lower_kimi_ops``: False keeps CPU kimi ops as op calls instead of generated code).
     """
     return KimiBackend(aux_stream, draft_config, **inductor_config)
 

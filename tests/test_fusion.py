@@ -229,7 +229,8 @@ return (v1,)
         qk = (0.5 * torch.randn(H, generator=g)).bfloat16()
         args = (prefix, pending, bank, nw, qk, onw)
 
-        out, rec = compile_recorded(bf16_site, *args)
+        # The op calls kept (lower_kimi_ops=False): their bits are what is compared here.
+        out, rec = compile_recorded(bf16_site, *args, lower_kimi_ops=False)
         self.assertExpectedInline(rec.last.text(), """\
 input prefix: bf16[8, 16]
 input pending: bf16[8, 16]
@@ -260,7 +261,7 @@ return (v17,)
         self.assertEqual(rec.last.counts().get("attn_res_mix_list"), 1)
         torch.testing.assert_close(out, bf16_site(*args), atol=0, rtol=0)
 
-        (out, tap), rec = compile_recorded(bf16_site_tapped, *args)
+        (out, tap), rec = compile_recorded(bf16_site_tapped, *args, lower_kimi_ops=False)
         self.assertExpectedInline(rec.last.text(), """\
 input prefix: bf16[8, 16]
 input pending: bf16[8, 16]
@@ -292,6 +293,11 @@ return (v16, v4)
         x = (prefix.float() + pending.float()).bfloat16()
         torch.testing.assert_close(tap, OPS.attn_res_mix(x, bank, nw, qk, 2, EPS), atol=0, rtol=0)
         torch.testing.assert_close(out, bf16_site_tapped(*args)[0], atol=2e-2, rtol=2e-2)
+        # Lowered to generated code (the default): the same values at the op tolerance.
+        lowered, _ = compile_recorded(bf16_site, *args)
+        torch.testing.assert_close(lowered, bf16_site(*args), atol=2e-2, rtol=2e-2)
+        (lowered, ltap), _ = compile_recorded(bf16_site_tapped, *args)
+        torch.testing.assert_close(ltap, tap, atol=2e-2, rtol=2e-2)
 
 
 def bf16_site(prefix, pending, bank, nw, qk, onw):
@@ -508,7 +514,10 @@ def test_mean_of_squares_spellings(spelling, hidden, fused):
     else:
         assert fp.last_fused == 0
         assert len(fp.last_misses) == 1 and "not the mean" in str(fp.last_misses[0])
-    torch.testing.assert_close(out, fn(*args), **FP32)
+    # The logits are fp32 sums over H, summed in another order than eager's: their rounding
+    # error grows like sqrt(H) (1e-5 holds to H = 256; measured 1.3e-5 at H = 4096).
+    tol = 1e-5 * max(1.0, (width / 256) ** 0.5)
+    torch.testing.assert_close(out, fn(*args), atol=tol, rtol=tol)
 
 
 def test_literal_against_symbolic_hidden_size_is_not_the_mean():

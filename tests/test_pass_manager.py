@@ -34,8 +34,10 @@ def small_graph() -> torch.fx.Graph:
 
 @pytest.mark.parametrize("fuse,want", [
     (True, ["post_grad.0.AttnResFusionPass.before", "post_grad.0.AttnResFusionPass.after",
-            "post_grad.1.AuxStreamPass.before", "post_grad.1.AuxStreamPass.after"]),
-    (False, ["post_grad.0.AuxStreamPass.before", "post_grad.0.AuxStreamPass.after"]),
+            "post_grad.1.AuxStreamPass.before", "post_grad.1.AuxStreamPass.after",
+            "post_grad.2.LowerKimiOps.before", "post_grad.2.LowerKimiOps.after"]),
+    (False, ["post_grad.0.AuxStreamPass.before", "post_grad.0.AuxStreamPass.after",
+             "post_grad.1.LowerKimiOps.before", "post_grad.1.LowerKimiOps.after"]),
 ])
 def test_dump_indices_follow_the_pass_order(dumped, fuse, want):
     build_passes("attn_res", fuse_torch_mixing=fuse)(small_graph())

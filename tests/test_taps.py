@@ -183,21 +183,24 @@ def _kimi_calls(code: str) -> int:
 
 @torch.no_grad()
 def test_generated_code_has_no_marker_and_no_extra_mixing_kernels():
+    """Counted on the op calls (``lower_kimi_ops=False``, the shape CUDA compiles to); on
+    CPU by default every call is generated code (tests/test_lowering.py)."""
     ids_cfg = small_config(4, 2, (0, 2, 3, 4))
     model = inference_model(ids_cfg)
     ids = token_ids(ids_cfg)
-    _, (code_taps,) = run_and_get_code(compile_model(model), ids)
+    ops = make_kimi_backend(lower_kimi_ops=False)
+    _, (code_taps,) = run_and_get_code(compile_model(model, ops), ids)
     no_taps = inference_model(small_config(4, 2, ()))
-    _, (code_plain,) = run_and_get_code(compile_model(no_taps), ids)
+    _, (code_plain,) = run_and_get_code(compile_model(no_taps, ops), ids)
     for stream in ("prefix",):
         _, (code_prefix,) = run_and_get_code(
             compile_model(model, make_kimi_backend(aux_stream=stream)), ids)
-        assert "aux_tap" not in code_prefix
+        assert "aux_tap" not in code_prefix and "torch.ops.kimi" not in code_prefix
     assert "aux_tap" not in code_taps
     assert _kimi_calls(code_taps) == _kimi_calls(code_plain) == 2 * 4 + 1
     # The separate-read capture is the one that adds mixing kernels (one per mixed tap).
     _, (code_sep,) = run_and_get_code(
-        compile_model(model, make_kimi_backend(fuse_capture=False)), ids)
+        compile_model(model, make_kimi_backend(fuse_capture=False, lower_kimi_ops=False)), ids)
     assert _kimi_calls(code_sep) == 2 * 4 + 1 + 4
 
 
@@ -210,7 +213,8 @@ _CODE_COUNTS = {"buffers": r"empty_strided_cpu\(", "clones": r"clone",
 def test_fused_capture_on_auto_functionalized_v1():
     """vLLM's default functionalization (v1): the consumer's kernel emits the mixture.
 
-    v1 and v2 compile to the same code shape (the same buffers, clones and kimi calls:
+    Counted on the op calls (``lower_kimi_ops=False``). v1 and v2 compile to the same code
+    shape (the same buffers, clones and kimi calls:
     attn_res_capture for the two normed consumers, no attn_res_mix, so one extra [T, H]
     write per tap and no second read of the bank) and bit-identical taps.
     """
@@ -220,7 +224,8 @@ def test_fused_capture_on_auto_functionalized_v1():
     taps, shape = {}, {}
     for v2 in (False, True):
         with inductor_config.patch(enable_auto_functionalized_v2=v2):
-            (_, taps[v2]), (code,) = run_and_get_code(compile_model(model), ids)
+            (_, taps[v2]), (code,) = run_and_get_code(
+                compile_model(model, make_kimi_backend(lower_kimi_ops=False)), ids)
         shape[v2] = {k: len(re.findall(p, code)) for k, p in _CODE_COUNTS.items()}
         assert _kimi_calls(code) == 2 * 3 + 1
     assert shape[False] == shape[True]

@@ -38,10 +38,13 @@ class KimiPassManager(CustomGraphPass):
     ``post_grad``, or ``pre_autograd`` for the manager that fuses training graphs).
     """
 
-    def __init__(self, passes, observers=(), phase: str = "post_grad"):
+    def __init__(self, passes, observers=(), phase: str = "post_grad", lowering=None):
         self.passes = list(passes)
         self.observers: list[PassObserver] = list(observers)
         self.phase = phase
+        #: Run after the passes and the observers (``kimi_passes.lowering.LowerKimiOps``):
+        #: the passes and the goldens see the kimi ops; Inductor then gets generated code.
+        self.lowering = lowering
 
     def observe(self, observer: PassObserver) -> PassObserver:
         """Add ``observer``; returns it."""
@@ -60,9 +63,12 @@ class KimiPassManager(CustomGraphPass):
                 o.after_pass(p, graph)
         for o in self.observers:
             o.after_passes(graph, seconds)
+        if self.lowering is not None:
+            self.lowering(graph, index=len(self.passes), phase=self.phase)
 
     def uuid(self) -> str:
-        return ":".join(p.uuid() for p in self.passes)
+        passes = self.passes + ([self.lowering] if self.lowering is not None else [])
+        return ":".join(p.uuid() for p in passes)
 
     def get(self, cls):
         return next(p for p in self.passes if isinstance(p, cls))

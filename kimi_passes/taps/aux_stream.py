@@ -91,13 +91,16 @@ class AuxStreamPass(KimiGraphPass):
     """Rewrite ``kimi.aux_tap`` markers to the stream a drafter was trained on."""
 
     def __init__(self, stream: str = "attn_res", fuse: bool = True,
-                 drafter: DrafterTaps | None = None):
+                 drafter: DrafterTaps | None = None, lower: bool = True):
         if stream not in STREAMS:
             raise ValueError(
                 f"AuxStreamPass: unknown stream {stream!r}; use one of {list(STREAMS)}"
             )
         self.stream = stream
         self.fuse = fuse
+        #: Installed alone (``post_grad_custom_post_pass``, AOTInductor), the pass also lowers
+        #: the graph's CPU kimi ops to generated code; a ``KimiPassManager`` does that itself.
+        self.lower = lower
         #: Rewrites made by the last call (for tests, tools and the main job).
         self.last_rewrites: list[TapRewrite] = []
         #: Set by a host that compiles the model in pieces (kimi_passes.vllm): the ops
@@ -124,20 +127,20 @@ class AuxStreamPass(KimiGraphPass):
         # The declared ids are part of the key: a new drafter never reuses a graph checked
         # against another (speculators #996: ids that changed and silently did nothing).
         drafter = self.drafter.key_options() if self.drafter is not None else {}
-        return {"stream": self.stream, "fuse": self.fuse, **drafter}
+        return {"stream": self.stream, "fuse": self.fuse, "lower": self.lower, **drafter}
 
     def run(self, graph: torch.fx.Graph) -> list[str]:
         check_host_key(self)
         taps = calls_to(graph, AUX_TAP)
         self.last_rewrites = []
         if not taps and self._check is None:
-            return []
+            return self._lowered(graph)
         geometry = _Geometry.of(graph)
         _check_unique_ids(taps, geometry)
         if self._check is not None:
             self._check([tap.args[1] for tap in taps], geometry)
         if not taps:
-            return []
+            return self._lowered(graph)
         rewrites = [self._rewrite(graph, tap, geometry) for tap in taps]
         graph.eliminate_dead_code()
         self.last_rewrites = rewrites
@@ -145,7 +148,17 @@ class AuxStreamPass(KimiGraphPass):
             "; ".join(f"id {r.capture_id} <- {r.consumer} ({r.how()})" for r in rewrites))
         return [summary] + [
             f"AuxStreamPass: capture id {r.capture_id} is a separate attn_res_mix read of the "
-            "bank (nothing to fuse it into)" for r in rewrites if r.fused is False]
+            "bank (nothing to fuse it into)" for r in rewrites if r.fused is False
+        ] + self._lowered(graph)
+
+    def _lowered(self, graph: torch.fx.Graph) -> list[str]:
+        if not self.lower:
+            return []
+        # Imported here: the lowering reads calls through taps.consumer, whose package
+        # imports this module.
+        from kimi_passes.lowering.lower import LowerKimiOps
+
+        return LowerKimiOps().run(graph)
 
     def _rewrite(self, graph: torch.fx.Graph, tap: Node, geometry: _Geometry) -> TapRewrite:
         value, capture_id = tap.args

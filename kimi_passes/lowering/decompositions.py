@@ -1,0 +1,146 @@
+"""The kimi ops as plain ATen statements that Inductor compiles into generated code.
+
+Each function is the op's math (docs/design.md section 3) written for Inductor, not for
+eager: no stacked copy of the sources (each source is read where it lies, twice: once
+for its logit, once for the weighted sum; the bank's slots as one strided view), the
+logits as reductions over H, a softmax over the few per-row logits, fp32 accumulation and
+one rounding to the output dtype. Inductor fuses them with the neighbouring ops (the
+prefix add, the block write, the output norm, the next sublayer).
+
+The mutating ops are given in functional form (what ``auto_functionalized`` returns: the
+op's outputs, then the new prefix and bank); the block write is a ``select_scatter`` whose
+input bank is dead after it, so Inductor's reinplacing turns it back into a slot write.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _logits(v: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """``<v, w> * rsqrt(mean(v^2) + eps)`` over the last dim (fp32 ``v``)."""
+    return (v * w).sum(-1) * torch.rsqrt(v.square().mean(-1) + eps)
+
+
+def mixture(bank: torch.Tensor | None, extras: list[torch.Tensor], w: torch.Tensor,
+            eps: float) -> torch.Tensor:
+    """Pre-norm mixture (fp32) of ``bank``'s slots (``[T, n, H]``, a view: read in place)
+    then each of ``extras`` (``[T, H]``), with the folded query ``w`` (fp32)."""
+    parts = []
+    if bank is not None:
+        bank = bank.float()
+        parts.append(_logits(bank, w, eps))  # [T, n]: one reduction over the bank
+    values = [e.float() for e in extras]
+    parts += [_logits(v, w, eps).unsqueeze(-1) for v in values]
+    p = torch.softmax(torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0], dim=-1)
+    n = 0 if bank is None else bank.shape[-2]
+    out = None if bank is None else (p[..., :n, None] * bank).sum(-2)
+    for i, v in enumerate(values):
+        term = p[..., n + i, None] * v
+        out = term if out is None else out + term
+    return out
+
+
+def output_norm(mixed: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of the fp32 mixture with ``weight`` (fp32 result)."""
+    return mixed * torch.rsqrt(mixed.square().mean(-1, keepdim=True) + eps) * weight.float()
+
+
+def _realized(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a buffer of its own (an identity ``as_strided``, which Inductor realizes).
+
+    The new prefix is also copied back into the prefix input. Left unrealized, Inductor
+    inlines ``prefix + delta`` into the mixture's kernels, which then read the input the
+    copy-back overwrites; torch 2.13's CPU outer-loop fusion then fails on the ordering
+    dependency that creates (``KeyError`` in ``get_read_expr``, bf16 with an output norm).
+    """
+    return torch.as_strided(x, x.shape, x.stride())
+
+
+def folded_query(norm_weight: torch.Tensor | None, qk_weight: torch.Tensor) -> torch.Tensor:
+    q = qk_weight.float()
+    return q if norm_weight is None else norm_weight.float() * q
+
+
+def attn_res_mix(prefix, blocks, norm_weight, qk_weight, *, num_blocks: int, eps: float):
+    """``kimi.attn_res_mix``: the mixture of ``blocks[:, :num_blocks]`` then ``prefix``."""
+    bank = blocks[:, :num_blocks] if num_blocks else None
+    return mixture(bank, [prefix], folded_query(norm_weight, qk_weight), eps).to(prefix.dtype)
+
+
+def attn_res_mix_list(sources, norm_weight, qk_weight, *, eps: float, out_dtype):
+    """``kimi.attn_res_mix_list``: the mixture of a list of sources."""
+    mixed = mixture(None, list(sources), folded_query(norm_weight, qk_weight), eps)
+    return mixed.to(out_dtype or sources[0].dtype)
+
+
+def attn_res(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight, *,
+             num_blocks: int, block_write_idx: int, eps: float, output_norm_eps: float,
+             capture: bool):
+    """``kimi.attn_res`` / ``attn_res_capture`` in functional form.
+
+    Returns ``(out, prefix', blocks')``, or ``(out, mixed, prefix', blocks')`` when
+    ``capture``: the outputs ``auto_functionalized`` gives, in that order.
+    """
+    dtype = prefix.dtype
+    x = prefix if delta is None else _realized((prefix.float() + delta.float()).to(dtype))
+    # The bank is read after the write, from the written bank only: the old one is dead
+    # after the select_scatter, which Inductor's reinplacing then makes a slot write.
+    new_blocks = blocks if block_write_idx < 0 else torch.select_scatter(
+        blocks, x, 1, block_write_idx)
+    bank = new_blocks[:, :num_blocks] if num_blocks else None
+    mixed = mixture(bank, [x], folded_query(norm_weight, qk_weight), eps)
+    out = mixed if output_norm_weight is None else output_norm(
+        mixed, output_norm_weight, output_norm_eps)
+    if capture:
+        return out.to(dtype), mixed.to(dtype), x, new_blocks
+    return out.to(dtype), x, new_blocks
+
+
+def attn_res_mix_backward(grad, prefix, blocks, norm_weight, qk_weight, *, num_blocks: int,
+                          eps: float, need_prefix: bool, need_blocks: bool,
+                          need_weights: bool):
+    """``kimi.attn_res_mix_backward``: ``(dprefix, dblocks, dw)`` (``ops/backward.py``).
+
+    Per row, sources ``v_j``, ``r_j = rsqrt(mean(v_j^2) + eps)``, ``logit_j = <v_j, w> r_j``,
+    ``p = softmax(logit)``; ``a_j = p_j (<g, v_j> - <g, out>) r_j``;
+    ``dv_j = p_j g + a_j w - (a_j logit_j r_j / H) v_j``; ``dw = sum a_j v_j``. An output
+    not asked for is an empty ``[0]`` tensor; ``dblocks`` has zeros past ``num_blocks``.
+    """
+    dtype, H = prefix.dtype, prefix.shape[-1]
+    w = folded_query(norm_weight, qk_weight)
+    g, x = grad.float(), prefix.float()
+    bank = blocks[:, :num_blocks].float() if num_blocks else None
+    parts_r, parts_l, parts_gv = [], [], []
+    if bank is not None:
+        r_b = torch.rsqrt(bank.square().mean(-1) + eps)
+        parts_r.append(r_b)
+        parts_l.append((bank * w).sum(-1) * r_b)
+        parts_gv.append((bank * g.unsqueeze(-2)).sum(-1))
+    r_x = torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    parts_r.append(r_x)
+    parts_l.append((x * w).sum(-1, keepdim=True) * r_x)
+    parts_gv.append((x * g).sum(-1, keepdim=True))
+    r, logit, gv = (torch.cat(t, dim=-1) for t in (parts_r, parts_l, parts_gv))
+    p = torch.softmax(logit, dim=-1)
+    g_out = (p * gv).sum(-1, keepdim=True)
+    a = (gv - g_out) * p * r
+    c = a * logit * r / -H
+    n = num_blocks
+    empty = prefix.new_empty((0,))
+    dprefix = empty
+    if need_prefix:
+        dprefix = (p[:, n:] * g + a[:, n:] * w + c[:, n:] * x).to(dtype)
+    dblocks = empty
+    if need_blocks:
+        dblocks = torch.zeros(blocks.shape, dtype=dtype, device=blocks.device)
+        if bank is not None:
+            dbank = (p[:, :n, None] * g.unsqueeze(-2) + a[:, :n, None] * w
+                     + c[:, :n, None] * bank)
+            dblocks = torch.slice_scatter(dblocks, dbank.to(dtype), 1, 0, n)
+    dw = empty
+    if need_weights:
+        dw = (a[:, n:] * x).sum(0)
+        if bank is not None:
+            dw = dw + (a[:, :n, None] * bank).sum((0, 1))
+    return dprefix, dblocks, dw

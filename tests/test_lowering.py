@@ -1,0 +1,163 @@
+"""``LowerKimiOps``: on CPU a compiled graph calls no kimi op; every effect stays exact.
+
+Structure: the generated code of a CPU graph compiled with ``kimi_backend`` (and with
+``AuxStreamPass`` installed alone) holds no ``torch.ops.kimi`` call; with
+``lower_kimi_ops=False`` it does. Numbers: each op compiled alone against the eager op
+(outputs at the op tolerance, the in-place prefix update and block write bit for bit),
+over dtypes, output norm or none, and block writes inside and outside the mixed slots;
+the reference K3 taps against the eager ground truth, static and dynamic shapes; and an
+AOTInductor package of the reference K3 with ``AuxStreamPass`` alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from k3_helpers import assert_taps_close, inference_model, small_config, token_ids
+from op_helpers import DTYPES, OP_TOL, clone_args, make_args, mix_args
+from torch._inductor.utils import run_and_get_code
+
+from kimi_passes import AuxStreamPass, make_kimi_backend
+from kimi_passes.graphs.k3 import K3Config, K3Model
+
+pytestmark = pytest.mark.usefixtures("caches_off")
+OPS = torch.ops.kimi
+
+
+def kimi_calls(code: list[str]) -> int:
+    return sum(c.count("torch.ops.kimi") for c in code)
+
+
+def compile_run(fn, *args, backend=None, dynamic=False):
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=backend or make_kimi_backend(), fullgraph=True,
+                             dynamic=dynamic)
+    return run_and_get_code(compiled, *args)
+
+
+# (NB, num_blocks, block_write_idx): a write into a mixed slot (read back as the prefix),
+# a write past the mixed slots, no write, no completed block.
+GEOMETRIES = [(4, 3, 2), (4, 2, 2), (4, 3, -1), (2, 0, 0)]
+# Every (op, geometry, output norm) in one compiled graph per dtype: one compile each.
+CASES = [(op, g, onorm) for op in ("attn_res", "attn_res_capture") for g in GEOMETRIES
+         for onorm in (True, False)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_mutating_ops_compiled_match_eager(dtype):
+    argsets = [make_args(5, 32, nb_total, nb, write, dtype, delta=True, onorm=onorm, seed=i)
+               for i, (_, (nb_total, nb, write), onorm) in enumerate(CASES)]
+    eager = [clone_args(a) for a in argsets]
+    compiled = [clone_args(a) for a in argsets]
+    want = [getattr(OPS, op)(*a) for (op, _, _), a in zip(CASES, eager, strict=True)]
+
+    def f(flat):
+        return [getattr(OPS, op)(*a) for (op, _, _), a in zip(CASES, flat, strict=True)]
+
+    got, code = compile_run(f, compiled)
+    assert kimi_calls(code) == 0
+    tol = OP_TOL[dtype]
+    for case, g, w, ca, ea in zip(CASES, got, want, compiled, eager, strict=True):
+        for gi, wi in zip(g if isinstance(g, tuple) else (g,),
+                          w if isinstance(w, tuple) else (w,), strict=True):
+            torch.testing.assert_close(gi, wi, atol=tol, rtol=tol,
+                                       msg=lambda m, c=case: f"{c}: {m}")
+        # The in-place effects are exact: one rounded add, one copy.
+        assert torch.equal(ca[0], ea[0]), case
+        assert torch.equal(ca[2], ea[2]), case
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_mix_ops_compiled_match_eager(dtype):
+    argsets = [mix_args(make_args(6, 32, 3, nb, -1, dtype, delta=False, onorm=False, seed=nb))
+               for nb in (0, 1, 3)]
+
+    def f(flat):
+        mixes = [OPS.attn_res_mix(*a) for a in flat]
+        lists = [OPS.attn_res_mix_list([a[1][:, j] for j in range(a[4])] + [a[0]], None, a[3],
+                                       1e-6, torch.float32) for a in flat]
+        return mixes, lists
+
+    (mixes, lists), code = compile_run(f, argsets)
+    assert kimi_calls(code) == 0
+    want_mixes, want_lists = f(argsets)
+    tol = OP_TOL[dtype]
+    for g, w in zip(mixes + lists, want_mixes + want_lists, strict=True):
+        assert g.dtype == w.dtype
+        torch.testing.assert_close(g, w, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("mixing,dynamic", [("op", False), ("torch", True)],
+                         ids=["op-static", "torch-dynamic"])
+def test_k3_taps_with_no_kimi_call(mixing, dynamic):
+    cfg = small_config(4, 2, taps=(0, 2, 3, 4))
+    model = inference_model(cfg, mixing=mixing)
+    ids = token_ids(cfg)
+    with torch.no_grad():
+        (out, taps), code = compile_run(model, ids, dynamic=dynamic)
+        want_out, want = model.ground_truth(ids)
+    assert kimi_calls(code) == 0
+    assert_taps_close(taps, want, torch.float32)
+    torch.testing.assert_close(out, want_out, atol=OP_TOL[torch.float32],
+                               rtol=OP_TOL[torch.float32])
+
+
+def test_the_switch_keeps_the_ops():
+    cfg = small_config(2, 1, taps=(0, 2))
+    model = inference_model(cfg)
+    with torch.no_grad():
+        _, code = compile_run(model, token_ids(cfg),
+                              backend=make_kimi_backend(lower_kimi_ops=False))
+    assert kimi_calls(code) > 0
+
+
+def test_aux_stream_pass_alone_lowers():
+    cfg = small_config(2, 1, taps=(0, 1, 2))
+    model = inference_model(cfg)
+    ids = token_ids(cfg)
+    with torch.no_grad(), torch._inductor.config.patch(
+            post_grad_custom_post_pass=AuxStreamPass("attn_res")):
+        (_, taps), code = compile_run(model, ids, backend="inductor")
+        want = model.ground_truth(ids)[1]
+    assert kimi_calls(code) == 0
+    assert_taps_close(taps, want, torch.float32)
+
+
+@pytest.mark.codegen
+def test_aoti_package_of_the_reference_k3(tmp_path):
+    """AOTInductor export with AuxStreamPass alone: the package's taps are the mixtures."""
+    model = K3Model(K3Config.tiny()).eval()
+    ids = token_ids(K3Config.tiny(), 16)
+    ep = torch.export.export(model, (ids,), strict=False)
+    path = torch._inductor.aoti_compile_and_package(
+        ep, package_path=str(tmp_path / "k3.pt2"),
+        inductor_configs={"post_grad_custom_post_pass": AuxStreamPass("attn_res")})
+    runner = torch._inductor.aoti_load_package(path)
+    with torch.no_grad():
+        out, taps = runner(ids)
+        want_out, want = model.ground_truth(ids)
+    assert_taps_close(list(taps), want, torch.float32)
+    torch.testing.assert_close(out, want_out, atol=OP_TOL[torch.float32],
+                               rtol=OP_TOL[torch.float32])
+
+
+def test_training_step_lowers_the_backward():
+    """K3 training (``mixing="op"``) under kimi_backend: neither the forward nor the
+    backward graph calls a kimi op, and the gradients equal eager's."""
+    cfg = small_config(4, 2, taps=(0, 2, 4))
+    model = K3Model(cfg, mixing="op", trainable=True)
+    ids = token_ids(cfg)
+
+    def loss_and_grads(fn):
+        out, taps = fn(ids)
+        loss = out.square().sum() + sum(t.sum() for t in taps)
+        return torch.autograd.grad(loss, list(model.parameters()))
+
+    want = loss_and_grads(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=make_kimi_backend(), fullgraph=True)
+    got, code = run_and_get_code(loss_and_grads, compiled)
+    assert kimi_calls(code) == 0
+    scale = max(float(w.abs().max()) for w in want)
+    for (name, _), g, w in zip(model.named_parameters(), got, want, strict=True):
+        assert float((g - w).abs().max()) <= 1e-5 * scale, name
