@@ -1,0 +1,194 @@
+"""Whole models at decode and prefill sizes: kimi_backend against plain Inductor, CPU.
+
+Serving is mostly decode (a DFlash / EAGLE3 target runs 1 to a few dozen tokens a step),
+so every row is measured at T = 1, 8, 64, 256 and 1024. Per model and T, in one process,
+compiled with ``fullgraph=True``: ``backend="inductor"`` (the baseline), ``kimi_backend``
+as shipped (``kimi``: the kimi ops lowered to generated code on CPU) and
+``make_kimi_backend(lower_kimi_ops=False)`` (``kimi-ops``: every mixing site a kimi op
+call, what kimi_backend did before the lowering). Timed with ``CpuTimer``: interleaved
+rounds, 1 thread; a ratio is t(plain Inductor) / t(candidate) per round (> 1: the
+candidate is faster), reported as the median and the interquartile range over rounds.
+Outputs are checked against plain Inductor's first.
+
+Models (inference, ``torch.no_grad()``):
+
+- ``k3``: the reference K3 (``graphs/k3.py``, attention and MLP), L=8, H=512, S=2,
+  ``mixing="torch"`` (plain-torch AttnRes mixing; kimi_backend fuses every site);
+- ``k3-op``: ``K3Model(mixing="op")`` under kimi_backend against ``mixing="torch"`` under
+  plain Inductor (the same weights): what a model written with ``torch.ops.kimi`` costs;
+- ``wiring``: the K3 wiring with cheap elementwise sublayers (``x * sigmoid(x)`` in place of
+  attention and MLP), L=8, H=512, S=2: mixing-dominated, 17 sites;
+- ``site``: one mixing site, ``attn_res_torch``'s pure read over ``bank[:, :8]`` and a
+  prefix, H=1024;
+- ``attn-res``: the ``attn-res`` package's Block AttnRes transformer, d=256, 8 layers
+  (its tokens as ``[batch, seq]``: decode [8, 1], [1, 16], prefill [1, 512]).
+
+``--dynamic``: one graph compiled with a dynamic token dimension serves every T (as vLLM
+compiles it); default: one static graph per T. Run::
+
+    python -m kimi_passes.bench.decode                       # every model, static shapes
+    python -m kimi_passes.bench.decode --dynamic --models k3,wiring
+    python tools/bench_decode.py --T 1 8                     # the same entry point
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from kimi_passes.backend import make_kimi_backend
+from kimi_passes.bench.harness import CpuTimer, ratio_summary, summary
+from kimi_passes.graphs.k3 import K3Config, K3Model, attn_res_torch
+
+TOKENS = (1, 8, 64, 256, 1024)
+ATTN_RES_SHAPES = ((8, 1), (1, 16), (1, 512))
+MODELS = ("k3", "k3-op", "wiring", "site", "attn-res")
+
+
+def _k3_config() -> K3Config:
+    return K3Config(num_layers=8, hidden_size=512, attn_res_block_size=2, num_heads=8,
+                    intermediate_size=1024, vocab_size=1024, aux_layer_ids=(2, 4, 8))
+
+
+def _cheap(self, x):
+    return x * torch.sigmoid(x)
+
+
+def k3(mixing: str, cheap: bool = False) -> K3Model:
+    model = K3Model(_k3_config(), mixing=mixing).eval()
+    if cheap:  # the wiring alone: every sublayer an elementwise op
+        for layer in model.layers.values():
+            layer.self_attn.forward = _cheap.__get__(layer.self_attn)
+            layer.mlp.forward = _cheap.__get__(layer.mlp)
+    return model
+
+
+class Site(torch.nn.Module):
+    """One pure mixing site in plain torch: ``bank[:, :8]`` and a prefix, H=1024."""
+
+    def __init__(self, H: int = 1024):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.norm_weight = torch.nn.Parameter(1 + 0.1 * torch.randn(H, generator=g))
+        self.qk_weight = torch.nn.Parameter(torch.randn(H, generator=g) / H ** 0.5)
+
+    def forward(self, prefix, bank):
+        return attn_res_torch(prefix, None, bank, self.norm_weight, self.qk_weight, None, 8,
+                              -1, 1e-6, 1e-6)
+
+
+def attn_res_package(d: int = 256, layers: int = 8):
+    from attn_res import AttnResMode, AttnResOperator, AttnResTransformer, TransformerConfig
+
+    cfg = TransformerConfig(d_model=d, n_layers=layers, n_heads=8, n_kv_heads=2,
+                            vocab_size=1024, max_seq_len=2048, n_blocks=4,
+                            attn_res_mode=AttnResMode.BLOCK)
+    torch.manual_seed(0)
+    model = AttnResTransformer(cfg).eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, AttnResOperator):
+                m.pseudo_query.normal_()
+    return model
+
+
+def cases(names, tokens):
+    """(model name, shape label, baseline model, candidate model, inputs) per row."""
+    g = torch.Generator().manual_seed(0)
+    for name in names:
+        if name == "attn-res":
+            model = attn_res_package()
+            for b, s in ATTN_RES_SHAPES:
+                ids = torch.randint(0, 1024, (b, s), generator=g)
+                yield name, f"[{b}, {s}]", model, model, (ids,)
+            continue
+        if name == "site":
+            base = cand = Site()
+        elif name == "k3-op":
+            base, cand = k3("torch"), k3("op")
+        else:
+            base = cand = k3("torch", cheap=name == "wiring")
+        for T in tokens:
+            if name == "site":
+                inputs = (torch.randn(T, 1024, generator=g), torch.randn(T, 8, 1024, generator=g))
+            else:
+                inputs = (torch.arange(T) % 1024,)
+            yield name, f"T={T}", base, cand, inputs
+
+
+def first(out):
+    while isinstance(out, (tuple, list)):
+        out = out[0]
+    return out
+
+
+def compiled(model, backend, dynamic: bool):
+    return torch.compile(model, backend=backend, fullgraph=True, dynamic=dynamic)
+
+
+def run(names, tokens, dynamic: bool, timer: CpuTimer, out=sys.stdout) -> list[dict]:
+    rows = []
+    backends = {"kimi": make_kimi_backend(), "kimi-ops": make_kimi_backend(lower_kimi_ops=False)}
+    compiled_models: dict = {}
+    print(f"{'model':9} {'shape':9} {'inductor ms':>12} {'kimi ms':>9} {'ratio [IQR]':>20} "
+          f"{'kimi-ops ms':>12} {'ratio [IQR]':>20}", file=out, flush=True)
+    for name, shape, base, cand, inputs in cases(names, tokens):
+        key = (name, id(base), id(cand))
+        if not dynamic or key not in compiled_models:
+            # A fresh Dynamo per graph: models share forward code objects, and three
+            # backends times five T would pass Dynamo's recompile limit.
+            torch._dynamo.reset()
+            compiled_models.clear()
+            compiled_models[key] = {"inductor": compiled(base, "inductor", dynamic),
+                                    **{k: compiled(cand, b, dynamic) for k, b in backends.items()}}
+        fns = compiled_models[key]
+        with torch.no_grad():
+            want = first(fns["inductor"](*inputs))
+            for k in backends:
+                got = first(fns[k](*inputs))
+                err = float((got.float() - want.float()).abs().max())
+                scale = float(want.float().abs().max()) or 1.0
+                if err > 1e-3 * scale:
+                    raise AssertionError(f"{name} {shape}: {k} disagrees with plain Inductor "
+                                         f"(max abs error {err:.3g}, scale {scale:.3g})")
+            samples = timer.run({k: (lambda f=f, x=inputs: f(*x)) for k, f in fns.items()})
+        row = {"model": name, "shape": shape, "dynamic": dynamic,
+               "ms": {k: summary(v)["median"] * 1e3 for k, v in samples.items()},
+               "ratio": {k: ratio_summary(samples["inductor"], samples[k]) for k in backends}}
+        rows.append(row)
+        r = row["ratio"]
+        print(f"{name:9} {shape:9} {row['ms']['inductor']:12.3f} {row['ms']['kimi']:9.3f} "
+              f"{_fmt(r['kimi']):>20} {row['ms']['kimi-ops']:12.3f} {_fmt(r['kimi-ops']):>20}",
+              file=out, flush=True)
+    return rows
+
+
+def _fmt(s: dict) -> str:
+    return f"{s['median']:.2f}x [{s['q1']:.2f}, {s['q3']:.2f}]"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--T", type=int, nargs="+", default=list(TOKENS))
+    p.add_argument("--dynamic", action="store_true")
+    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--block-ms", type=float, default=40.0)
+    p.add_argument("--threads", type=int, default=1)
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    names = [m.strip() for m in a.models.split(",") if m.strip()]
+    bad = [m for m in names if m not in MODELS]
+    if bad:
+        p.error(f"unknown model(s) {bad}; choose from {list(MODELS)}")
+    timer = CpuTimer(rounds=a.rounds, block_s=a.block_ms / 1e3, threads=a.threads)
+    print(f"torch {torch.__version__}, {a.threads} thread(s), "
+          f"{'dynamic' if a.dynamic else 'static'} shapes; ratio = t(plain Inductor) / t(x)")
+    run(names, a.T, a.dynamic, timer)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
