@@ -73,8 +73,8 @@ class KimiBackend:
         self.drafter = drafter_capture_ids(draft_config)
         self.passes = build_passes(self.aux_stream, fuse_capture, fuse_torch_mixing,
                                    drafter=self.drafter, lower_kimi_ops=lower_kimi_ops)
-        self.training_passes = KimiPassManager(
-            [self.aux_pass], lowering=LowerKimiOps() if lower_kimi_ops else None)
+        self.training_passes = KimiPassManager([self.aux_pass],
+                                               lowering=self.passes.lowering)
         self.training_passes.observers = self.passes.observers
         self.pre_autograd = KimiPassManager(
             [AttnResFusionPass(differentiable=True)], phase="pre_autograd") if (

@@ -124,11 +124,7 @@ AUX_METHODS = ("eagle3", "dflash", "dspark", "extract_hidden_states")
 
 def served_drafter() -> DrafterTaps | None:
     """The capture ids of the drafter vLLM's current config serves, if it reads any."""
-    try:
-        from vllm.config import get_current_vllm_config_or_none
-    except ImportError:  # older vLLM
-        return None
-    config = get_current_vllm_config_or_none()
+    config = _current_config()
     spec = getattr(config, "speculative_config", None)
     draft = getattr(spec, "draft_model_config", None)
     if draft is None or getattr(spec, "method", None) not in AUX_METHODS:
@@ -140,13 +136,18 @@ def served_drafter() -> DrafterTaps | None:
         source=f"vLLM serves ({spec.method}: speculative_config.draft_model_config.hf_config)")
 
 
-def _splitting_ops() -> tuple[str, ...] | None:
-    """The ops vLLM split the graph at, when it compiles it piecewise (None: one graph)."""
+def _current_config():
+    """vLLM's config of the compile in progress (None outside one, or in an older vLLM)."""
     try:
         from vllm.config import get_current_vllm_config_or_none
     except ImportError:  # older vLLM: the messages then name every possible cause
         return None
-    config = get_current_vllm_config_or_none()
+    return get_current_vllm_config_or_none()
+
+
+def _splitting_ops() -> tuple[str, ...] | None:
+    """The ops vLLM split the graph at, when it compiles it piecewise (None: one graph)."""
+    config = _current_config()
     if config is None:
         return None
     cc = config.compilation_config

@@ -74,7 +74,7 @@ def validate_mix_list(sources, norm_weight, qk_weight, eps, out_dtype) -> None:
               f"{[str(d) for d in SUPPORTED_DTYPES]} or None (the sources' dtype)")
 
 
-def _query(norm_weight, qk_weight) -> torch.Tensor:
+def folded_query(norm_weight, qk_weight) -> torch.Tensor:
     """The folded pseudo-query ``norm_weight * qk_weight`` in fp32."""
     q = qk_weight.float()
     return q if norm_weight is None else norm_weight.float() * q
@@ -102,7 +102,7 @@ def mix_list_torch(sources, norm_weight, qk_weight, eps, out_dtype, chunk_rows: 
     shape, H = sources[0].shape, sources[0].shape[-1]
     flat = [s.reshape(-1, H) for s in sources]  # views for contiguous rows
     R = flat[0].shape[0]
-    q = _query(norm_weight, qk_weight)
+    q = folded_query(norm_weight, qk_weight)
     out32 = torch.empty((R, H), dtype=torch.float32, device=sources[0].device)
     if sources[0].dtype == torch.float32 or not chunk_rows:
         step = max(R, 1)

@@ -39,6 +39,7 @@ import sys
 import torch
 
 from kimi_passes.backend import make_kimi_backend
+from kimi_passes.bench.fusion import first_tensor
 from kimi_passes.bench.harness import CpuTimer, ratio_summary, summary
 from kimi_passes.graphs.k3 import K3Config, K3Model, attn_res_torch
 
@@ -118,12 +119,6 @@ def cases(names, tokens):
             yield name, f"T={T}", base, cand, inputs
 
 
-def first(out):
-    while isinstance(out, (tuple, list)):
-        out = out[0]
-    return out
-
-
 def compiled(model, backend, dynamic: bool):
     return torch.compile(model, backend=backend, fullgraph=True, dynamic=dynamic)
 
@@ -145,9 +140,9 @@ def run(names, tokens, dynamic: bool, timer: CpuTimer, out=sys.stdout) -> list[d
                                     **{k: compiled(cand, b, dynamic) for k, b in backends.items()}}
         fns = compiled_models[key]
         with torch.no_grad():
-            want = first(fns["inductor"](*inputs))
+            want = first_tensor(fns["inductor"](*inputs))
             for k in backends:
-                got = first(fns[k](*inputs))
+                got = first_tensor(fns[k](*inputs))
                 err = float((got.float() - want.float()).abs().max())
                 scale = float(want.float().abs().max()) or 1.0
                 if err > 1e-3 * scale:

@@ -16,10 +16,17 @@ from __future__ import annotations
 
 import torch
 
+from kimi_passes.ops.mix_list import folded_query
+
+
+def _inv_rms(v: torch.Tensor, eps: float) -> torch.Tensor:
+    """``rsqrt(mean(v^2) + eps)`` over the last dim."""
+    return torch.rsqrt(v.square().mean(-1) + eps)
+
 
 def _logits(v: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """``<v, w> * rsqrt(mean(v^2) + eps)`` over the last dim (fp32 ``v``)."""
-    return (v * w).sum(-1) * torch.rsqrt(v.square().mean(-1) + eps)
+    return (v * w).sum(-1) * _inv_rms(v, eps)
 
 
 def mixture(bank: torch.Tensor | None, extras: list[torch.Tensor], w: torch.Tensor,
@@ -43,7 +50,7 @@ def mixture(bank: torch.Tensor | None, extras: list[torch.Tensor], w: torch.Tens
 
 def output_norm(mixed: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of the fp32 mixture with ``weight`` (fp32 result)."""
-    return mixed * torch.rsqrt(mixed.square().mean(-1, keepdim=True) + eps) * weight.float()
+    return mixed * _inv_rms(mixed, eps).unsqueeze(-1) * weight.float()
 
 
 def _realized(x: torch.Tensor) -> torch.Tensor:
@@ -55,11 +62,6 @@ def _realized(x: torch.Tensor) -> torch.Tensor:
     dependency that creates (``KeyError`` in ``get_read_expr``, bf16 with an output norm).
     """
     return torch.as_strided(x, x.shape, x.stride())
-
-
-def folded_query(norm_weight: torch.Tensor | None, qk_weight: torch.Tensor) -> torch.Tensor:
-    q = qk_weight.float()
-    return q if norm_weight is None else norm_weight.float() * q
 
 
 def attn_res_mix(prefix, blocks, norm_weight, qk_weight, *, num_blocks: int, eps: float):
@@ -113,11 +115,11 @@ def attn_res_mix_backward(grad, prefix, blocks, norm_weight, qk_weight, *, num_b
     bank = blocks[:, :num_blocks].float() if num_blocks else None
     parts_r, parts_l, parts_gv = [], [], []
     if bank is not None:
-        r_b = torch.rsqrt(bank.square().mean(-1) + eps)
+        r_b = _inv_rms(bank, eps)
         parts_r.append(r_b)
         parts_l.append((bank * w).sum(-1) * r_b)
         parts_gv.append((bank * g.unsqueeze(-2)).sum(-1))
-    r_x = torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    r_x = _inv_rms(x, eps).unsqueeze(-1)
     parts_r.append(r_x)
     parts_l.append((x * w).sum(-1, keepdim=True) * r_x)
     parts_gv.append((x * g).sum(-1, keepdim=True))

@@ -25,10 +25,10 @@ and the fusion find their consumers by them; the goldens record the graph before
 
 from __future__ import annotations
 
-import functools
 import operator
 
 import torch
+import torch.utils._pytree as pytree
 from torch._inductor.pattern_matcher import fwd_only
 from torch.fx import Graph, Node
 
@@ -39,6 +39,21 @@ from kimi_passes.taps.consumer import AttnResCall, attn_res_calls
 
 kimi = torch.ops.kimi
 MUTATED = ("prefix", "blocks")
+#: The dtypes the statements are written for (fp32 accumulation); fp64 (the tests'
+#: gradcheck) stays the op.
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: Pure ops, lowered by ``_lower_pure`` from their positional arguments.
+PURE = {
+    kimi.attn_res_mix.default: lambda prefix, blocks, nw, qk, num_blocks, eps: (
+        dec.attn_res_mix, (prefix, blocks, nw, qk), {"num_blocks": num_blocks, "eps": eps}),
+    kimi.attn_res_mix_list.default: lambda sources, nw, qk, eps, out_dtype=None: (
+        dec.attn_res_mix_list, (list(sources), nw, qk), {"eps": eps, "out_dtype": out_dtype}),
+    kimi.attn_res_mix_backward.default: lambda grad, prefix, blocks, nw, qk, num_blocks, eps,
+    need_p, need_b, need_w: (
+        dec.attn_res_mix_backward, (grad, prefix, blocks, nw, qk),
+        {"num_blocks": num_blocks, "eps": eps, "need_prefix": need_p, "need_blocks": need_b,
+         "need_weights": need_w}),
+}
 
 
 class LowerKimiOps(KimiGraphPass):
@@ -51,24 +66,21 @@ class LowerKimiOps(KimiGraphPass):
     def run(self, graph: Graph) -> list[str]:
         lowered, kept = 0, []
         for call in attn_res_calls(graph):
-            why = _why_not(call)
+            why = _why_not(call.base("prefix"))
+            if why is None and call.is_v2:
+                why = _mutated_view(call)
             if why:
                 kept.append(f"{call.node.name}: {why}")
                 continue
             _lower_attn_res(graph, call)
             lowered += 1
         for node in list(graph.nodes):
-            if node.op != "call_function" or node.target not in (
-                    kimi.attn_res_mix.default, kimi.attn_res_mix_list.default,
-                    kimi.attn_res_mix_backward.default):
+            if node.op != "call_function" or node.target not in PURE:
                 continue
-            if not _on_cpu(node) or not _supported(node):
-                continue
-            if node.target is kimi.attn_res_mix_backward.default:
-                _lower_mix_backward(graph, node)
-            else:
-                _lower_mix(graph, node)
-            lowered += 1
+            first = pytree.tree_leaves(node.args[0])[0]
+            if _why_not(first) is None:  # elsewhere (CUDA) the op's own kernel runs
+                _lower_pure(graph, node)
+                lowered += 1
         _drop_self_copies(graph)
         graph.eliminate_dead_code()
         self.last_lowered, self.last_kept = lowered, kept
@@ -80,142 +92,89 @@ class LowerKimiOps(KimiGraphPass):
 
 def _drop_self_copies(graph: Graph) -> None:
     """Erase ``copy_(x, x)``: a bank the call did not write comes back as the bank itself,
-    and functionalization's copy-back of it becomes a self-copy (Inductor mis-schedules one)."""
+    and functionalization's copy-back of it would copy the whole bank onto itself."""
     for node in list(graph.nodes):
         if (node.op == "call_function" and node.target is torch.ops.aten.copy_.default
                 and node.args[0] is node.args[1] and not node.users):
             graph.erase_node(node)
 
 
-#: The dtypes the statements are written for (fp32 accumulation); fp64 (the tests'
-#: gradcheck) stays the op.
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _supported(node: Node) -> bool:
-    first = node.args[0]
-    first = first[0] if isinstance(first, (list, tuple)) else first
-    val = first.meta.get("val") if isinstance(first, Node) else None
-    return isinstance(val, torch.Tensor) and val.dtype in DTYPES
-
-
-def _on_cpu(node: Node) -> bool:
-    val = node.meta.get("val")
-    val = val[0] if isinstance(val, (tuple, list)) else val
-    return isinstance(val, torch.Tensor) and val.device.type == "cpu"
-
-
-def _why_not(call: AttnResCall) -> str | None:
-    prefix = call.base("prefix")
-    val = prefix.meta.get("val")
+def _why_not(tensor: Node) -> str | None:
+    """Why a call whose first tensor is ``tensor`` stays the op (None: it is lowered)."""
+    val = tensor.meta.get("val")
     if not isinstance(val, torch.Tensor) or val.device.type != "cpu":
         return "not on CPU"  # CUDA keeps the Triton kernel
     if val.dtype not in DTYPES:
         return f"dtype {val.dtype}"
-    if call.is_v2:
-        view = [n for n in MUTATED if any(f"_{n}_{k}" in call.node.kwargs and
-                                         call.node.kwargs[f"_{n}_{k}"] is not None
-                                         for k in ("size", "stride", "storage_offset"))]
-        if view:
-            return f"mutates a view of another tensor ({', '.join(view)})"
     return None
 
 
-def _inline(graph: Graph, anchor: Node, fn, inputs: list[Node]) -> list:
-    """Trace ``fn(*inputs' values)`` to ATen and insert it before ``anchor``; its outputs."""
+def _mutated_view(call: AttnResCall) -> str | None:
+    view = [n for n in MUTATED if any(call.node.kwargs.get(f"_{n}_{k}") is not None
+                                      for k in ("size", "stride", "storage_offset"))]
+    return f"mutates a view of another tensor ({', '.join(view)})" if view else None
+
+
+def _inline(graph: Graph, anchor: Node, fn, args, const: dict) -> list:
+    """Trace ``fn(*args, **const)`` to ATen and insert it before ``anchor``; its outputs.
+
+    ``args`` may nest lists and hold None (pytree): only its nodes are traced inputs.
+    """
+    leaves, spec = pytree.tree_flatten(args)
+    inputs = [x for x in leaves if isinstance(x, Node)]
+
+    def statement(*tensors):
+        given = iter(tensors)
+        filled = [next(given) if isinstance(x, Node) else x for x in leaves]
+        return fn(*pytree.tree_unflatten(filled, spec), **const)
+
     vals = [n.meta["val"] for n in inputs]
     mode = torch._guards.detect_fake_mode(vals)
     with mode if mode is not None else torch._subclasses.FakeTensorMode():
-        traced = fwd_only(fn, vals)
-    env: dict[Node, object] = {}
+        traced = fwd_only(statement, vals)
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
-    env.update(zip(placeholders, inputs, strict=True))
-    outputs = None
+    env: dict[Node, object] = dict(zip(placeholders, inputs, strict=True))
     for n in traced.graph.nodes:
-        if n.op == "placeholder":
-            continue
         if n.op == "output":
             outputs = torch.fx.map_arg(n.args[0], env.__getitem__)
-            break
-        env[n] = call_function(graph, n.target, torch.fx.map_arg(n.args, env.__getitem__),
-                               torch.fx.map_arg(n.kwargs, env.__getitem__),
-                               before=anchor, stands_for=anchor)
-    return list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+            return list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+        if n.op != "placeholder":
+            env[n] = call_function(graph, n.target,
+                                   torch.fx.map_arg(n.args, env.__getitem__),
+                                   torch.fx.map_arg(n.kwargs, env.__getitem__),
+                                   before=anchor, stands_for=anchor)
+    raise AssertionError("LowerKimiOps: a traced statement without an output")
 
 
-def _closed(fn, layout: list[int | None], **const):
-    """``fn`` over the present tensors only (``layout``: where each argument comes from)."""
-
-    def call(*tensors):
-        return fn(*[None if i is None else tensors[i] for i in layout], **const)
-
-    return call
-
-
-def _pack(args: list) -> tuple[list[Node], list[int | None]]:
-    inputs, layout = [], []
-    for a in args:
-        if a is None:
-            layout.append(None)
-        else:
-            layout.append(len(inputs))
-            inputs.append(a)
-    return inputs, layout
-
-
-def _lower_attn_res(graph: Graph, call: AttnResCall) -> None:
-    capture = call.op is kimi.attn_res_capture.default
-    args = [call.base("prefix"), call.arg("delta"), call.base("blocks"),
-            call.arg("norm_weight"), call.arg("qk_weight"), call.arg("output_norm_weight")]
-    inputs, layout = _pack(args)
-    fn = _closed(dec.attn_res, layout, num_blocks=call.arg("num_blocks"),
-                 block_write_idx=call.arg("block_write_idx"), eps=call.arg("eps"),
-                 output_norm_eps=call.arg("output_norm_eps"), capture=capture)
-    outs = _inline(graph, call.node, fn, inputs)
-    returns = outs[:call.num_returns]
-    new = {i: v for i, v in enumerate(returns)}
-    new.update({call.output_index(name): outs[call.num_returns + k]
-                for k, name in enumerate(MUTATED)})
-    for user in list(call.node.users):
-        if user.op == "call_function" and user.target is operator.getitem:
-            user.replace_all_uses_with(new[user.args[1]])
-            graph.erase_node(user)
-    if call.node.users:
-        raise AssertionError(f"LowerKimiOps: {call.node.name} has users other than getitem")
-    graph.erase_node(call.node)
-
-
-def _lower_mix(graph: Graph, node: Node) -> None:
-    if node.target is kimi.attn_res_mix.default:
-        prefix, blocks, nw, qk, num_blocks, eps = node.args
-        inputs, layout = _pack([prefix, blocks, nw, qk])
-        fn = _closed(dec.attn_res_mix, layout, num_blocks=num_blocks, eps=eps)
-    else:
-        sources, nw, qk, eps, *rest = node.args
-        out_dtype = rest[0] if rest else node.kwargs.get("out_dtype")
-        n = len(sources)
-        inputs, layout = _pack([*sources, nw, qk])
-        fn = _closed(functools.partial(_mix_list_flat, n), layout, eps=eps,
-                     out_dtype=out_dtype)
-    (out,) = _inline(graph, node, fn, inputs)
-    node.replace_all_uses_with(out)
-    graph.erase_node(node)
-
-
-def _lower_mix_backward(graph: Graph, node: Node) -> None:
-    grad, prefix, blocks, nw, qk, num_blocks, eps, need_p, need_b, need_w = node.args
-    fn = _closed(dec.attn_res_mix_backward, [0, 1, 2, 3, 4], num_blocks=num_blocks, eps=eps,
-                 need_prefix=need_p, need_blocks=need_b, need_weights=need_w)
-    outs = _inline(graph, node, fn, [grad, prefix, blocks, nw, qk])
+def _replace(graph: Graph, node: Node, outputs: dict) -> None:
+    """Point every ``node[i]`` reader at ``outputs[i]``; erase ``node``."""
     for user in list(node.users):
         if user.op == "call_function" and user.target is operator.getitem:
-            user.replace_all_uses_with(outs[user.args[1]])
+            user.replace_all_uses_with(outputs[user.args[1]])
             graph.erase_node(user)
     if node.users:
         raise AssertionError(f"LowerKimiOps: {node.name} has users other than getitem")
     graph.erase_node(node)
 
 
-def _mix_list_flat(n, *args, eps, out_dtype):
-    return dec.attn_res_mix_list(list(args[:n]), args[n], args[n + 1], eps=eps,
-                                 out_dtype=out_dtype)
+def _lower_attn_res(graph: Graph, call: AttnResCall) -> None:
+    args = (call.base("prefix"), call.arg("delta"), call.base("blocks"),
+            call.arg("norm_weight"), call.arg("qk_weight"), call.arg("output_norm_weight"))
+    const = {k: call.arg(k) for k in ("num_blocks", "block_write_idx", "eps",
+                                      "output_norm_eps")}
+    const["capture"] = call.op is kimi.attn_res_capture.default
+    outs = _inline(graph, call.node, dec.attn_res, args, const)
+    new = dict(enumerate(outs[:call.num_returns]))
+    new.update({call.output_index(name): outs[call.num_returns + k]
+                for k, name in enumerate(MUTATED)})
+    _replace(graph, call.node, new)
+
+
+def _lower_pure(graph: Graph, node: Node) -> None:
+    fn, args, const = PURE[node.target](*node.args, **node.kwargs)
+    outs = _inline(graph, node, fn, args, const)
+    if node.target is kimi.attn_res_mix_backward.default:
+        _replace(graph, node, dict(enumerate(outs)))
+    else:
+        node.replace_all_uses_with(outs[0])
+        graph.erase_node(node)

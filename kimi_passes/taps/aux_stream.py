@@ -131,16 +131,26 @@ class AuxStreamPass(KimiGraphPass):
 
     def run(self, graph: torch.fx.Graph) -> list[str]:
         check_host_key(self)
+        lines = self._rewrite_taps(graph)
+        if self.lower:
+            # Imported here: the lowering reads calls through taps.consumer, whose package
+            # imports this module.
+            from kimi_passes.lowering.lower import LowerKimiOps
+
+            lines += LowerKimiOps().run(graph)
+        return lines
+
+    def _rewrite_taps(self, graph: torch.fx.Graph) -> list[str]:
         taps = calls_to(graph, AUX_TAP)
         self.last_rewrites = []
         if not taps and self._check is None:
-            return self._lowered(graph)
+            return []
         geometry = _Geometry.of(graph)
         _check_unique_ids(taps, geometry)
         if self._check is not None:
             self._check([tap.args[1] for tap in taps], geometry)
         if not taps:
-            return self._lowered(graph)
+            return []
         rewrites = [self._rewrite(graph, tap, geometry) for tap in taps]
         graph.eliminate_dead_code()
         self.last_rewrites = rewrites
@@ -148,17 +158,7 @@ class AuxStreamPass(KimiGraphPass):
             "; ".join(f"id {r.capture_id} <- {r.consumer} ({r.how()})" for r in rewrites))
         return [summary] + [
             f"AuxStreamPass: capture id {r.capture_id} is a separate attn_res_mix read of the "
-            "bank (nothing to fuse it into)" for r in rewrites if r.fused is False
-        ] + self._lowered(graph)
-
-    def _lowered(self, graph: torch.fx.Graph) -> list[str]:
-        if not self.lower:
-            return []
-        # Imported here: the lowering reads calls through taps.consumer, whose package
-        # imports this module.
-        from kimi_passes.lowering.lower import LowerKimiOps
-
-        return LowerKimiOps().run(graph)
+            "bank (nothing to fuse it into)" for r in rewrites if r.fused is False]
 
     def _rewrite(self, graph: torch.fx.Graph, tap: Node, geometry: _Geometry) -> TapRewrite:
         value, capture_id = tap.args
