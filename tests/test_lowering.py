@@ -90,7 +90,7 @@ def test_mix_ops_compiled_match_eager(dtype):
 @pytest.mark.parametrize("mixing,dynamic", [("op", False), ("torch", True)],
                          ids=["op-static", "torch-dynamic"])
 def test_k3_taps_with_no_kimi_call(mixing, dynamic):
-    cfg = small_config(4, 2, taps=(0, 2, 3, 4))
+    cfg = small_config(3, 2, taps=(0, 2, 3))  # a block write (layer 2), a partial block
     model = inference_model(cfg, mixing=mixing)
     ids = token_ids(cfg)
     with torch.no_grad():
@@ -109,6 +109,19 @@ def test_the_switch_keeps_the_ops():
         _, code = compile_run(model, token_ids(cfg),
                               backend=make_kimi_backend(lower_kimi_ops=False))
     assert kimi_calls(code) > 0
+
+
+def test_fallback_by_default_keeps_the_ops():
+    """Every op an ATen call: the statement would be tens of ATen calls, so the op stays
+    (the mode most of the suite compiles in, tests/conftest.py ``aten_fallback``)."""
+    cfg = small_config(2, 1, taps=(0, 2))
+    model = inference_model(cfg)
+    ids = token_ids(cfg)
+    with torch.no_grad(), torch._inductor.config.patch(fallback_by_default=True):
+        (_, taps), code = compile_run(model, ids)
+        want = model.ground_truth(ids)[1]
+    assert kimi_calls(code) > 0
+    assert_taps_close(taps, want, torch.float32)
 
 
 def test_aux_stream_pass_alone_lowers():
@@ -144,7 +157,7 @@ def test_aoti_package_of_the_reference_k3(tmp_path):
 def test_training_step_lowers_the_backward():
     """K3 training (``mixing="op"``) under kimi_backend: neither the forward nor the
     backward graph calls a kimi op, and the gradients equal eager's."""
-    cfg = small_config(4, 2, taps=(0, 2, 4))
+    cfg = small_config(3, 2, taps=(0, 2, 3))
     model = K3Model(cfg, mixing="op", trainable=True)
     ids = token_ids(cfg)
 

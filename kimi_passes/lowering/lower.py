@@ -7,6 +7,8 @@ replaced by its ATen statement (``decompositions.py``), which Inductor compiles 
 loops fused with its neighbours, with no Python op dispatch. CUDA calls stay the Triton
 kernels. A call the pass cannot lower (a mutated argument that is a view of another
 tensor, under ``auto_functionalized_v2``; fp64) stays the op, and the log says so.
+Under Inductor's ``fallback_by_default`` (every op an ATen call, no generated code) the
+pass keeps every call: there is nothing to fuse the statement into.
 
 Before (one K3 layer)::
 
@@ -65,6 +67,12 @@ class LowerKimiOps(KimiGraphPass):
 
     def run(self, graph: Graph) -> list[str]:
         lowered, kept = 0, []
+        if torch._inductor.config.fallback_by_default:
+            # Every op becomes an ATen call: the statement (tens of ATen calls per site)
+            # would cost more than the one op call, and no code is generated to fuse it into.
+            self.last_lowered, self.last_kept = 0, ["all: Inductor's fallback_by_default"]
+            return (["LowerKimiOps: kimi calls kept as ops (Inductor's fallback_by_default "
+                     "generates no code)"] if _kimi_calls(graph) else [])
         for call in attn_res_calls(graph):
             why = _why_not(call.base("prefix"))
             if why is None and call.is_v2:
@@ -88,6 +96,11 @@ class LowerKimiOps(KimiGraphPass):
             return []
         return [f"LowerKimiOps: {lowered} kimi call(s) lowered to generated code"
                 + (f"; kept as ops: {'; '.join(kept)}" if kept else "")]
+
+
+def _kimi_calls(graph: Graph) -> bool:
+    return bool(attn_res_calls(graph)) or any(
+        n.op == "call_function" and n.target in PURE for n in graph.nodes)
 
 
 def _drop_self_copies(graph: Graph) -> None:
