@@ -20,7 +20,9 @@ type, so that adding or dropping one does not renumber the rest of the graph.
 View ``"full"`` prints every node. View ``"skeleton"`` prints the kimi ops (and
 the getitems that read them), the nodes that feed them or the output, and folds
 every other run of nodes into one ``... N ops`` line; arguments that point into
-a folded run print as ``_``.
+a folded run print as ``_``. View ``"kimi"`` (the goldens') prints only the kimi calls,
+each argument named by what produces it, and what the graph returns
+(``kimi_passes.debug.kimi_view``).
 
 ``graph_dot`` draws the same views as Graphviz DOT. Recording graphs around the passes
 is ``kimi_passes.debug.recording``'s job; this module only reads graphs.
@@ -36,9 +38,10 @@ from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
 from torch.fx import Graph, GraphModule, Node
 
 from kimi_passes.debug.graph_names import Symbols, op_name, source_name
+from kimi_passes.debug.kimi_view import KimiView, functional_output, mutated_args
 from kimi_passes.passes.fx_toolkit import AUTO_FUNCTIONALIZED, kimi_op
 
-VIEWS = ("full", "skeleton")
+VIEWS = ("full", "skeleton", "kimi")
 #: Every kimi op, as ``kimi_op_counts`` counts them.
 KIMI_OPS = ("attn_res", "attn_res_capture", "attn_res_mix", "attn_res_mix_list", "aux_tap",
             "attn_res_mix_backward", "attn_res_mix_list_backward")
@@ -67,7 +70,8 @@ def graph_text(gm_or_graph: GraphModule | Graph, view: str = "full", names=None)
     if view not in VIEWS:
         raise ValueError(f"graph_text: unknown view {view!r}; use one of {list(VIEWS)}")
     graph = gm_or_graph.graph if isinstance(gm_or_graph, GraphModule) else gm_or_graph
-    return _Printer(graph, view, _as_mapping(names)).text()
+    printer = _Printer(graph, view, _as_mapping(names))
+    return KimiView(graph, printer).text() if view == "kimi" else printer.text()
 
 
 def is_kimi(node: Node) -> bool:
@@ -103,7 +107,8 @@ class _Printer:
         self.placeholders = [n for n in nodes if n.op == "placeholder"]
         self.body = [n for n in nodes if n.op not in ("placeholder", "output")]
         self.outputs = [n for n in nodes if n.op == "output"]
-        self.shown = set(self.body) if view == "full" else self._skeleton()
+        self.shown = {"full": lambda: set(self.body), "skeleton": self._skeleton,
+                      "kimi": set}[view]()
         self.used_inputs = self._used_inputs()
         # Names are fixed here, once: text() and graph_dot only read them.
         self._name_inputs()
@@ -187,10 +192,15 @@ class _Printer:
         return repr(a)
 
     def type_of(self, node: Node) -> str | None:
-        val = node.meta.get("val", node.meta.get("example_value"))
+        return self.type_of_value(node.meta.get("val", node.meta.get("example_value")))
+
+    def fmt_dtype(self, dtype) -> str:
+        return _DTYPES.get(dtype, str(dtype).replace("torch.", ""))
+
+    def type_of_value(self, val) -> str | None:
         if isinstance(val, torch.Tensor):
             dims = ", ".join(self.symbols.expr(d) for d in val.shape)
-            return f"{_DTYPES.get(val.dtype, str(val.dtype).replace('torch.', ''))}[{dims}]"
+            return f"{self.fmt_dtype(val.dtype)}[{dims}]"
         if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
             return f"Sym({self.symbols.expr(val)})"
         return None
@@ -209,7 +219,7 @@ class _Printer:
         if target is operator.getitem and isinstance(node.args[0], Node):
             base, index = node.args
             if base.op == "call_function" and base.target in AUTO_FUNCTIONALIZED:
-                return f"{self.ref(base)}.{_functional_output(base, index)}"
+                return f"{self.ref(base)}.{functional_output(base, index)}"
             return f"{self.ref(base)}[{self.fmt(index)}]"
         return f"{op_name(target)}({self._args(node.args, node.kwargs)})"
 
@@ -221,7 +231,7 @@ class _Printer:
     def _functional(self, node: Node) -> str:
         """auto_functionalized(_v2)(op, ...) as ``op(<schema args>) [functional, mutates ...]``."""
         op, kwargs = node.args[0], dict(node.kwargs)
-        mutated = _mutated_args(op)
+        mutated = mutated_args(op)
         parts = []
         for arg in op._schema.arguments:
             name = arg.name
@@ -346,23 +356,3 @@ def _dot_label(p: _Printer, node: Node) -> str:
     if op is not None:
         return f"{p.names[node]} = {op_name(op)}"
     return f"{p.names[node]} = {op_name(node.target)}"
-
-
-def _mutated_args(op) -> list[str]:
-    return [a.name for a in op._schema.arguments if a.alias_info is not None
-            and a.alias_info.is_write]
-
-
-def _functional_output(node: Node, index: int) -> str:
-    """What ``getitem(node, index)`` of an auto_functionalized(_v2) node reads."""
-    op, kwargs = node.args[0], node.kwargs
-    n_ret = len(op._schema.returns)
-    if index < n_ret:
-        return f"ret[{index}]"
-    mutated = _mutated_args(op)
-    if node.target is auto_functionalized_v2:
-        by_base = {kwargs.get(f"_{m}_base_index"): m for m in mutated}
-        name = by_base.get(index - n_ret)
-    else:
-        name = mutated[index - n_ret] if index - n_ret < len(mutated) else None
-    return f"updated.{name}" if name is not None else f"out[{index}]"
