@@ -8,6 +8,7 @@ the builds run in a subprocess with TRITON_INTERPRET unset.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -22,6 +23,13 @@ TOOL = ROOT / "tools" / "kernel_build.py"
 spec = importlib.util.spec_from_file_location("kernel_build", TOOL)
 kb = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(kb)
+
+
+def _triton_version() -> str | None:
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _compiled_env() -> dict:
@@ -58,13 +66,22 @@ def test_bytes_in_flight_per_sm_at_k3_widths(ci_results):
             assert r["kernel"] == "_attn_res_kernel", "K3 widths must take the one-read kernel"
 
 
+# Where ptxas spills is a fact of one compiler: measured with triton 3.9.0's (the limits in
+# launch_config come from it); triton 3.8.0's builds the 8190 bf16 row without a spill.
+# On every version the property that matters is test_every_ci_build_is_spill_free.
+SPILL_FACTS_TRITON = "3.9.0"
+
+
+@pytest.mark.skipif(_triton_version() != SPILL_FACTS_TRITON,
+                    reason=f"where ptxas spills was measured with triton {SPILL_FACTS_TRITON}")
 @pytest.mark.parametrize("H,variant,dtype", [
     (16384, "mix", "float32"),                          # above MAX_ROW_ALIGNED
     (8190, "capture+delta+write+norm", "bfloat16"),     # unaligned, above MAX_ROW_UNALIGNED
 ])
 def test_the_row_kernel_spills_where_launch_config_leaves_it(H, variant, dtype):
-    """The row kernel past its limits spills, and the build sees it: that is why wider rows
-    run the chunked kernel (launch_config), and what the CI check would catch."""
+    """The row kernel past its limits spills (with triton 3.9.0's ptxas), and the build sees
+    it: that is why wider rows run the chunked kernel (launch_config), and what the CI
+    check would catch."""
     code = (
         "import sys, torch, triton; sys.path.insert(0, sys.argv[1]); import kernel_build as kb; "
         "tk = kb._kernel_module(); H = int(sys.argv[2]); "

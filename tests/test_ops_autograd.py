@@ -442,14 +442,31 @@ def test_k3_default_is_frozen():
 
 
 def test_k3_trains_with_op_mixing():
-    """``mixing="op"`` gradients match ``mixing="torch"`` (rel. 1e-5 of the largest)."""
+    """``mixing="op"`` gradients are as accurate as ``mixing="torch"``'s.
+
+    Both are fp32 computations of the same function that round in different orders, so
+    they are compared through the fp64 value, not with each other at a constant: for
+    every parameter, the op's error against fp64 is at most twice plain torch's own error
+    against fp64 plus 64 u (u = 2**-24; 64 u bounds one fp32 sum of H = 64 terms, a
+    single site's logit). The fp32 error itself depends on the torch release's kernels
+    (the largest, on layer 3's AttnRes weights, is 110 u for torch and 155 u for the op
+    on torch 2.13; the two differ by up to 200 u on 2.14), the ratio does not.
+    """
     cfg = K3Config.tiny()
     h_op, g_op = _k3_grads(K3Model(cfg, mixing="op", trainable=True), K3_IDS)
     h_pt, g_pt = _k3_grads(K3Model(cfg, mixing="torch", trainable=True), K3_IDS)
-    assert rel_err(h_op, h_pt) < 1e-5
-    assert g_op.keys() == g_pt.keys()
+    h64, g64 = _k3_grads(K3Model(cfg, mixing="torch", trainable=True).double(), K3_IDS)
+    u = 2.0 ** -24
+
+    def as_accurate(got, torch_fp32, exact, what):
+        err, base = rel_err(got, exact), rel_err(torch_fp32, exact)
+        assert err <= 2 * base + 64 * u, (
+            f"{what}: op error {err / u:.0f} u against fp64, plain torch {base / u:.0f} u")
+
+    as_accurate(h_op, h_pt, h64, "hidden")
+    assert g_op.keys() == g_pt.keys() == g64.keys()
     for name in g_op:
-        assert rel_err(g_op[name], g_pt[name]) < 1e-5, name
+        as_accurate(g_op[name], g_pt[name], g64[name], name)
     # Every AttnRes weight gets a gradient, but layer 0's first call, which mixes the
     # embedding alone (softmax over one source: its weights have no effect).
     zero = {n for n in g_op if "res_" in n and not g_op[n].abs().max() > 0}
