@@ -355,6 +355,27 @@ v0[0]
 return (v1, v0[0])
 """)
 
+    def test_kimi_view_names_each_argument_by_its_producer(self):
+        """Views of an input or a kimi output collapse to one view(...); a view of a computed
+        value prints as that value's op (releases move reshapes around computations);
+        casts keep their dtype; the model's own outputs print as ``...``."""
+        aten = torch.ops.aten
+        g = torch.fx.Graph()
+        x, w, bank = (g.placeholder(n) for n in ("x", "w", "bank"))
+        qk = g.call_function(aten.reshape.default, (g.call_function(aten.t.default, (w,)), [-1]))
+        h = g.call_function(aten.view.default, (g.call_function(aten.mm.default, (x, w)), [4, 8]))
+        mix = g.call_function(torch.ops.kimi.attn_res_mix.default, (h, bank, w, qk, 1, 1e-6))
+        cast = g.call_function(torch.ops.prims.convert_element_type.default,
+                               (g.call_function(aten.clone.default, (mix,)), torch.bfloat16))
+        mix2 = g.call_function(torch.ops.kimi.attn_res_mix.default, (cast, bank, w, w, 0, 1e-6))
+        out = g.call_function(aten.relu.default, (mix2,))
+        g.output((out, mix, g.call_function(aten.alias.default, (mix2,))))
+        self.assertExpectedInline(graph_text(g, "kimi", names=["x", "w", "bank"]), """\
+k0 = kimi.attn_res_mix(aten.mm(x, w), bank, w, view(w), 1, 1e-06)
+k1 = kimi.attn_res_mix(to(bf16, view(k0)), bank, w, w, 0, 1e-06)
+return (..., k0, view(k1))
+""")
+
     def test_unknown_view(self):
         with self.assertRaisesRegex(ValueError, "unknown view 'short'"):
             graph_text(torch.fx.Graph(), "short")
