@@ -34,11 +34,15 @@ import operator
 from typing import Any
 
 import torch
-from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
 from torch.fx import Graph, GraphModule, Node
 
 from kimi_passes.debug.graph_names import Symbols, op_name, source_name
-from kimi_passes.debug.kimi_view import KimiView, functional_output, mutated_args
+from kimi_passes.debug.kimi_view import (
+    KimiView,
+    functional_arguments,
+    functional_how,
+    functional_output,
+)
 from kimi_passes.passes.fx_toolkit import AUTO_FUNCTIONALIZED, kimi_op
 
 VIEWS = ("full", "skeleton", "kimi")
@@ -53,8 +57,6 @@ _DTYPES = {
     torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8",
     torch.uint8: "ui8", torch.bool: "b8", torch.complex64: "c64",
 }
-# The view keywords auto_functionalized_v2 adds for a mutated argument that is a view.
-_VIEW_KEYS = ("size", "stride", "storage_offset", "slice_dim", "slice_start", "slice_end")
 
 
 def graph_text(gm_or_graph: GraphModule | Graph, view: str = "full", names=None) -> str:
@@ -230,23 +232,13 @@ class _Printer:
 
     def _functional(self, node: Node) -> str:
         """auto_functionalized(_v2)(op, ...) as ``op(<schema args>) [functional, mutates ...]``."""
-        op, kwargs = node.args[0], dict(node.kwargs)
-        mutated = mutated_args(op)
         parts = []
-        for arg in op._schema.arguments:
-            name = arg.name
-            if name in mutated and node.target is auto_functionalized_v2:
-                base = kwargs["_all_bases"][kwargs[f"_{name}_base_index"]]
-                view = {k: kwargs[f"_{name}_{k}"] for k in _VIEW_KEYS if f"_{name}_{k}" in kwargs}
-                text = self.fmt(base)
-                if view:
-                    text += ".view(" + ", ".join(
-                        f"{k}={self.fmt(v)}" for k, v in view.items()) + ")"
-                parts.append(f"{name}={text}")
-            elif name in kwargs:
-                parts.append(f"{name}={self.fmt(kwargs[name])}")
-        how = f"functional, mutates {', '.join(mutated)}" if mutated else "functional"
-        return f"{op_name(op)}({', '.join(parts)}) [{how}]"
+        for name, value, view in functional_arguments(node):
+            text = self.fmt(value)
+            if view:
+                text += ".view(" + ", ".join(f"{k}={self.fmt(v)}" for k, v in view.items()) + ")"
+            parts.append(f"{name}={text}")
+        return f"{op_name(node.args[0])}({', '.join(parts)}) [{functional_how(node.args[0])}]"
 
     def line(self, node: Node) -> str:
         t = self.type_of(node)

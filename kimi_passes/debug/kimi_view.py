@@ -64,19 +64,12 @@ class KimiView:
         op = kimi_op(node)
         val = node.meta.get("val")
         if node.target in AUTO_FUNCTIONALIZED:
-            kwargs, mutated = dict(node.kwargs), mutated_args(op)
             parts = []
-            for arg in op._schema.arguments:
-                if arg.name in mutated and node.target is auto_functionalized_v2:
-                    base = kwargs["_all_bases"][kwargs[f"_{arg.name}_base_index"]]
-                    viewed = any(kwargs.get(f"_{arg.name}_{k}") is not None
-                                 for k in ("size", "stride", "storage_offset"))
-                    text = self.describe(base)
-                    parts.append(f"{arg.name}={f'view({text})' if viewed else text}")
-                elif arg.name in kwargs:
-                    parts.append(f"{arg.name}={self.describe(kwargs[arg.name])}")
-            how = f"functional, mutates {', '.join(mutated)}" if mutated else "functional"
-            call = f"{op_name(op)}({', '.join(parts)}) [{how}]"
+            for name, value, view in functional_arguments(node):
+                text = self.describe(value)
+                viewed = any(view.get(k) is not None for k in ("size", "stride", "storage_offset"))
+                parts.append(f"{name}={f'view({text})' if viewed else text}")
+            call = f"{op_name(op)}({', '.join(parts)}) [{functional_how(op)}]"
         else:
             args = [self.describe(a) for a in node.args]
             args += [f"{k}={self.describe(v)}" for k, v in node.kwargs.items()]
@@ -168,6 +161,33 @@ def _packet_name(target) -> str:
     if isinstance(target, torch._ops.OpOverload) and packet is not None:
         return f"{target.namespace}.{packet.__name__}"
     return op_name(target)
+
+
+# The view keywords auto_functionalized_v2 adds for a mutated argument that is a view.
+VIEW_KEYS = ("size", "stride", "storage_offset", "slice_dim", "slice_start", "slice_end")
+
+
+def functional_arguments(node: Node) -> list[tuple[str, object, dict]]:
+    """An auto_functionalized(_v2) call's schema arguments as (name, value, view): under v2
+    a mutated argument's value is its base and ``view`` the view keywords given for it."""
+    op, kwargs = node.args[0], node.kwargs
+    mutated = mutated_args(op)
+    out = []
+    for arg in op._schema.arguments:
+        name = arg.name
+        if name in mutated and node.target is auto_functionalized_v2:
+            base = kwargs["_all_bases"][kwargs[f"_{name}_base_index"]]
+            out.append((name, base, {k: kwargs[f"_{name}_{k}"] for k in VIEW_KEYS
+                                     if f"_{name}_{k}" in kwargs}))
+        elif name in kwargs:
+            out.append((name, kwargs[name], {}))
+    return out
+
+
+def functional_how(op) -> str:
+    """``functional, mutates prefix, blocks``: the bracket both views print after the call."""
+    mutated = mutated_args(op)
+    return f"functional, mutates {', '.join(mutated)}" if mutated else "functional"
 
 
 def mutated_args(op) -> list[str]:
