@@ -8,6 +8,9 @@ import torch
 # on a GPU machine run the CUDA tests compiled (the default there).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# vLLM picks its platform once, on first use, in whichever test imports it first: the
+# harness's CPU platform (tests/vllm_harness.py) for every test in the process.
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import kimi_passes  # noqa: E402,F401  (registers torch.ops.kimi.*)
 
@@ -55,16 +58,38 @@ def aten_fallback(request):
         yield
 
 
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.vllm``: the test imports vLLM. It skips where vLLM is not installed
+    (tools/install_vllm.sh installs it), and its name says ``vllm``: the scheduler below
+    runs every such test on the worker that imports vLLM for tests/test_vllm.py, so vLLM
+    (about 14 s of imports) is imported once per run."""
+    import importlib.util
+
+    missing = importlib.util.find_spec("vllm") is None
+    skip = pytest.mark.skip(reason="vLLM is not installed (bash tools/install_vllm.sh)")
+    for item in items:
+        if item.get_closest_marker("vllm") is None:
+            continue
+        if "vllm" not in item.name:
+            raise pytest.UsageError(f"{item.nodeid} is marked vllm but its name does not say "
+                                    "vllm: rename it (tests/conftest.py groups vLLM tests by "
+                                    "name)")
+        if missing:
+            item.add_marker(skip)
+
+
 # Modules whose tests share one expensive module-scoped run (three serving processes, a
 # group of ranks, an offline build of every kernel, vLLM compiles kept for the v1 == v2
 # test): under pytest-xdist each runs whole on one worker, so the run happens once.
+VLLM_MODULE = "tests/test_vllm.py"
 SHARED_SETUP_MODULES = frozenset({"tests/test_cache_safety.py", "tests/test_distributed_stages.py",
-                                  "tests/test_kernel_build.py", "tests/test_vllm.py"})
+                                  "tests/test_kernel_build.py", VLLM_MODULE})
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """The README runs ``-n auto``: every other test is its own unit of work. Units go
+    """The README runs ``-n auto``: tests marked ``vllm`` join tests/test_vllm.py's unit;
+    every other test is its own unit of work. Units go
     out largest first (xdist's default for scoped scheduling), so those modules start
     first and the single tests fill in around them. (``--dist loadgroup`` would say the
     same with markers, but pytest 9 ignores the node-id suffix it relies on.)"""
@@ -72,7 +97,9 @@ def pytest_xdist_make_scheduler(config, log):
 
     class SharedSetupScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            return module if module in SHARED_SETUP_MODULES else nodeid
+            module, _, test = nodeid.partition("::")
+            if module in SHARED_SETUP_MODULES:
+                return module
+            return VLLM_MODULE if "vllm" in test else nodeid
 
     return SharedSetupScheduling(config, log)

@@ -3,8 +3,8 @@
 Three separate Python processes share one cache directory (``TORCHINDUCTOR_CACHE_DIR=
 tmp_path``; FX graph cache and AOTAutograd cache on, ``force_disable_caches`` off) and
 compile one after another: a small K3 in the attn_res stream, then the prefix stream,
-then attn_res again. (They start together, so their imports overlap; each compiles only
-when the one before it has exited.) Each prints, as JSON, how far its taps are from each
+then attn_res again, each forked, once the one before it has exited, from one parent that
+did the imports (tests/process_helpers.py). Each prints, as JSON, how far its taps are from each
 stream's expected values (``ground_truth`` for attn_res, the eager forward's running
 prefix for prefix) and its ``counters["inductor"]`` / ``counters["aot_autograd"]``.
 
@@ -42,7 +42,6 @@ from torch._inductor import config as inductor_config
 import kimi_passes
 from kimi_passes.graphs.k3 import K3Config, K3Model
 
-sys.stdin.readline()  # imported: wait until the previous process has finished
 stream = sys.argv[1]
 inductor_config.fx_graph_cache = True
 inductor_config.force_disable_caches = False

@@ -132,10 +132,6 @@ def test_above_num_layers():
 
 # --------------------------------------------------------------------------- vLLM's readers
 
-needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                reason="vLLM is not installed (tools/install_vllm.sh)")
-
-
 def _vllm_readers(config: dict):
     """The ids vLLM 0.33.0's two readers take from a drafter whose hf_config is ``config``."""
     from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
@@ -150,7 +146,7 @@ def _vllm_readers(config: dict):
             GPUModelRunner._get_eagle3_aux_layers_from_config(runner))
 
 
-@needs_vllm
+@pytest.mark.vllm
 @pytest.mark.parametrize("config", [s[0] for s in SPELLINGS if "speculators_model_type"
                                     not in s[0]], ids=lambda c: next(iter(c)))
 def test_one_spelling_matches_vllm(config):
@@ -179,8 +175,8 @@ VLLM_KNOWS = {
 }
 
 
-@needs_vllm
-def test_which_reader_knows_which_spelling():
+@pytest.mark.vllm
+def test_which_vllm_reader_knows_which_spelling():
     seen = {}
     for config, ids, key, *_ in SPELLINGS:
         if "speculators_model_type" in config or "model_type" in config:
@@ -203,7 +199,7 @@ TWO_SPELLINGS = [
 ]
 
 
-@needs_vllm
+@pytest.mark.vllm
 @pytest.mark.parametrize("config", TWO_SPELLINGS, ids=range(len(TWO_SPELLINGS)))
 def test_two_spellings_against_vllm(config):
     """Agreeing spellings give vLLM's ids; disagreeing ones are an error, never a pick."""
@@ -217,7 +213,7 @@ def test_two_spellings_against_vllm(config):
     assert all(r == ours for r in (utils, runner) if r is not None), (utils, runner, ours)
 
 
-@needs_vllm
+@pytest.mark.vllm
 @pytest.mark.parametrize("kind,raw_key", [("eagle3", "eagle_aux_hidden_state_layer_ids"),
                                           ("peagle", "eagle_aux_hidden_state_layer_ids"),
                                           ("dflash", "aux_hidden_state_layer_ids"),
@@ -256,7 +252,7 @@ def test_speculators_written_configs(fmt):
     assert got.final_state_separate == fmt.startswith("dflash")
 
 
-@needs_vllm
+@pytest.mark.vllm
 @pytest.mark.parametrize("fmt", sorted(SPECULATORS_IDS))
 def test_speculators_written_configs_as_vllm_loads_them(fmt):
     """vLLM's SpeculatorsConfig conversion, then its readers: the same ids as the raw file."""

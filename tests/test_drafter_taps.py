@@ -10,7 +10,6 @@ cache. Also: a tap cut off from its consumer by a graph break is refused naming 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
@@ -151,7 +150,6 @@ from torch._inductor import config as inductor_config
 import kimi_passes
 from kimi_passes.graphs.k3 import K3Config, K3Model
 
-sys.stdin.readline()  # imported: wait until the previous process has finished
 declared, tapped = json.loads(sys.argv[1]), tuple(json.loads(sys.argv[2]))
 inductor_config.fx_graph_cache = True
 inductor_config.fallback_by_default = True
@@ -241,10 +239,6 @@ def test_a_break_that_isolates_the_tap_is_named():
 
 # --------------------------------------------------------------------------- vLLM
 
-needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                reason="vLLM is not installed (tools/install_vllm.sh)")
-
-
 def _served(config, method, ids):
     """``config`` serving a drafter whose hf_config declares ``ids`` (a stand-in for vLLM's
     SpeculativeConfig, which needs a model checkpoint to build)."""
@@ -258,7 +252,7 @@ def _served(config, method, ids):
     return config
 
 
-@needs_vllm
+@pytest.mark.vllm
 def test_vllm_adapter_reads_the_served_drafter(monkeypatch):
     """The string route's pass (no draft_config) checks against the drafter vLLM serves,
     and its uuid() changes with it."""

@@ -5,9 +5,9 @@ graph is split at the attention custom op listed in ``splitting_ops`` (the numbe
 pieces is asserted), each piece goes through Inductor with vLLM's ``PostGradPassManager``,
 which runs ``kimi_passes.vllm.aux_stream_pass``. Two model shapes x vLLM's default
 functionalization (``auto_functionalized`` v1) and v2 x {attn_res fused, attn_res unfused,
-prefix} (see REAL_CODEGEN for which build C++ kernels); one dynamic graph serves two
-token counts; every tap is compared with the eager
-ground truth, and v1 and v2 taps must be bit-identical. Then: the split refusal, the
+prefix}, at Inductor's ``fallback_by_default``, and one case more with C++ kernels
+(REAL_CODEGEN); one dynamic graph serves two token counts; every tap is compared with the
+eager ground truth, and v1 and v2 taps must be bit-identical. Then: the split refusal, the
 string route, and three processes sharing one vLLM cache root.
 
 Without vLLM the module skips (``bash tools/install_vllm.sh`` installs it); with
@@ -58,12 +58,14 @@ MODELS = {
 VARIANTS = {"k3_tiny": [("attn_res", True), ("attn_res", False), ("prefix", True)],
             "l3_s1": [("attn_res", True), ("attn_res", False), ("prefix", False)]}
 TOKENS = (9, 5)  # two token counts on one dynamic graph
-# Compiled to C++ kernels, as served: the reference K3's fused attn_res stream, under both
-# functionalizations (so v1 == v2 is checked on real kernels too). The other cases use
-# Inductor's fallback_by_default, as the golden tests do: the split, the post-grad graph
-# and the passes are the same, the lowering calls ATen instead of building C++ kernels,
-# which makes those compiles about 4x cheaper.
-REAL_CODEGEN = {("k3_tiny", "attn_res", True)}
+# What a serving process imports before it builds its config (vllm_harness.main).
+VLLM_IMPORTS = ("torch", "kimi_passes", "vllm.compilation.decorators", "vllm.config")
+# Every case compiles with Inductor's fallback_by_default, as the golden tests do: the
+# split, the post-grad graph and the passes are a full compile's; the lowering calls ATen
+# instead of building C++ kernels (about 4x cheaper). One case more builds C++ kernels, as
+# served: the reference K3's fused attn_res stream under vLLM's default functionalization
+# (v1). (v2's generated kernels are kimi_backend's default, tests/test_taps.py.)
+REAL_CODEGEN = ("k3_tiny", False, "attn_res", True)
 
 
 class _Rewrites(logging.Handler):
@@ -101,16 +103,17 @@ def caches_off():
             os.environ["VLLM_DISABLE_COMPILE_CACHE"] = old
 
 
-def compiled(name: str, v2: bool, stream: str, fuse: bool) -> dict:
-    """Compile once per (model, functionalization, stream, fuse) and run both token counts."""
-    key = (name, v2, stream, fuse)
+def compiled(name: str, v2: bool, stream: str, fuse: bool, codegen: bool = False) -> dict:
+    """Compile once per (model, functionalization, stream, fuse, codegen) and run both
+    token counts."""
+    key = (name, v2, stream, fuse, codegen)
     if key in _RESULTS:
         return _RESULTS[key]
     from kimi_passes.vllm import compile_config_entries
 
     cfg = MODELS[name]
     icc = compile_config_entries(stream, fuse_capture=fuse)
-    if (name, stream, fuse) not in REAL_CODEGEN:
+    if not codegen:
         icc["fallback_by_default"] = True
     config = h.vllm_config(inductor_compile_config=icc, v2=v2)
     torch._dynamo.reset()
@@ -143,14 +146,15 @@ def compiled(name: str, v2: bool, stream: str, fuse: bool) -> dict:
     return _RESULTS[key]
 
 
-CASES = [pytest.param(name, v2, stream, fuse,
+CASES = [pytest.param(name, v2, stream, fuse, False,
                       id=f"{name}-{'v2' if v2 else 'v1'}-{stream}-{'fused' if fuse else 'unfused'}")
          for name in MODELS for v2 in (False, True) for stream, fuse in VARIANTS[name]]
+CASES.append(pytest.param(*REAL_CODEGEN, True, id="k3_tiny-v1-attn_res-fused-codegen"))
 
 
-@pytest.mark.parametrize("name,v2,stream,fuse", CASES)
-def test_taps_through_vllm(name, v2, stream, fuse):
-    r = compiled(name, v2, stream, fuse)
+@pytest.mark.parametrize("name,v2,stream,fuse,codegen", CASES)
+def test_taps_through_vllm(name, v2, stream, fuse, codegen):
+    r = compiled(name, v2, stream, fuse, codegen)
     cfg = r["cfg"]
     L = cfg.num_layers
     # One Dynamo graph, split at the L attention ops: 2L + 1 pieces, L + 1 of them compiled.
@@ -342,8 +346,8 @@ def test_import_kimi_passes_does_not_import_vllm_and_adapter_names_the_install()
 def test_three_processes_share_one_vllm_cache_root(tmp_path):
     """attn_res, prefix, attn_res: each served its own stream; the third from the cache.
 
-    The processes start together (importing vLLM is most of a process's time) and compile
-    one after another: each waits (``--wait``) until the one before it has exited.
+    Each process is forked, once the one before it has exited, from one parent that has
+    imported vLLM (most of a process's time; tests/process_helpers.py).
     """
     env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path / "vllm"),
            "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
@@ -352,8 +356,8 @@ def test_three_processes_share_one_vllm_cache_root(tmp_path):
     streams = ("attn_res", "prefix", "attn_res")
     outs = [tmp_path / f"out{i}.json" for i in range(len(streams))]
     one_after_another([[sys.executable, str(HERE / "vllm_harness.py"), stream, "adapter",
-                        str(out), "--wait"] for stream, out in zip(streams, outs, strict=True)],
-                      env, timeout=600)
+                        str(out)] for stream, out in zip(streams, outs, strict=True)],
+                      env, timeout=600, imports=VLLM_IMPORTS)
     results = [json.loads(out.read_text()) for out in outs]
     for r in results:
         assert "error" not in r, r

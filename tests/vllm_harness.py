@@ -175,7 +175,7 @@ def callable_route_module(stream: str, unguarded: bool = False) -> str:
 
 
 def main(argv=None) -> int:
-    """One serving process: ``python tests/vllm_harness.py STREAM ROUTE OUT.json [--wait]``.
+    """One serving process: ``python tests/vllm_harness.py STREAM ROUTE OUT.json``.
 
     ``ROUTE``: ``adapter`` (``kimi_passes.vllm.compile_config_entries``), ``named``
     (``inductor_passes`` naming ``kimi_passes.vllm.<stream>_stream_pass``), ``callable``
@@ -187,17 +187,9 @@ def main(argv=None) -> int:
 
     The pieces are lowered with Inductor's ``fallback_by_default`` (ATen calls, no C++
     build): what a process is served from the cache is the question, not codegen.
-    ``--wait``: once vLLM is imported, wait for a line on stdin before building the config
-    (a parent can start several processes, let their imports overlap and have them
-    compile one after another).
     """
     args = argv or sys.argv[1:]
     stream, route, out = args[:3]
-    if "--wait" in args[3:]:
-        import vllm.compilation.decorators  # noqa: F401  (the imports that take time)
-        import vllm.config  # noqa: F401
-
-        sys.stdin.readline()
     cfg = K3Config.tiny()
     fast = {"fallback_by_default": True}
     if route == "adapter":
