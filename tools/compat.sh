@@ -5,7 +5,7 @@
 # graphs, with their taps' values), the ops (the Triton kernel under triton 3.6's
 # interpreter), autograd and the depyf dump. vLLM 0.33.0 requires torch 2.14, so its tests
 # are the main job's. The rest of the suite (refusals, fusion, lowering, taps, ...) ran on
-# 2.11 by hand (README); it does not fit in CI's 20 minutes beside the main job.
+# 2.11 by hand (docs/testing.md, "Torch versions"); it does not fit in CI's 20 minutes beside the main job.
 #
 #   bash tools/compat.sh          set up, then check
 #   bash tools/compat.sh setup    only the venv (.ci/run runs it beside the vLLM install)
