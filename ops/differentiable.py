@@ -3,8 +3,8 @@
 
 ``kimi::attn_res`` / ``attn_res_capture`` stay inference ops: torch refuses
 ``register_autograd`` on an op that mutates its inputs, and a backward through one raises
-torch's "no autograd formula was registered" error. These two functions take the same
-arguments (positional or by name) and have the same effects:
+"no autograd formula exists", naming these functions (``library.py``). These two functions
+take the same arguments (positional or by name) and have the same effects:
 
 - when no tensor argument requires grad (or grad mode is off) they call the op itself,
   so inference (eager or ``torch.compile``) traces the very same ``kimi.attn_res`` node;

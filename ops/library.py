@@ -1,16 +1,23 @@
 """``torch.library`` registrations of the ``kimi`` op family.
 
-All are opaque ``custom_op``s (not ``triton_op``): AOTAutograd keeps each one a
-single node, so the passes can find ``kimi.attn_res`` in post-grad graphs. The
-CPU kernel is the eager path in ``cpu.py``; CUDA dispatches to the Triton
-kernel. Fake kernels run the same validation, so a bad model fails at compile
-time.
+``attn_res``, ``attn_res_capture`` and ``attn_res_mix`` are defined with
+``torch.library.Library`` and their kernels registered per dispatch key, not with
+``torch.library.custom_op``: a ``custom_op`` wraps every call in Python layers (an autograd
+kernel, a version-bump kernel for mutated inputs, an aliasing check of the outputs) that
+cost more than the mixture itself at decode sizes (docs/design.md section 9). Here a call
+is one Python kernel, plus one for autograd (``_inference_autograd`` for the mutating ops,
+``register_autograd``'s for ``attn_res_mix`` in ``backward.py``). The ops stay opaque
+(AOTAutograd keeps each one a single node, so the passes find ``kimi.attn_res`` in
+post-grad graphs), are tagged ``pt2_compliant_tag`` as a ``custom_op`` is, and pass
+``torch.library.opcheck``. The CPU kernel is the eager path in ``cpu.py``; CUDA
+dispatches to the Triton kernel. Fake kernels run the same validation, so a bad model
+fails at compile time.
 
 - ``attn_res``: docs/design.md section 3; mutates ``prefix`` (delta) and ``blocks`` (write).
 - ``attn_res_capture``: the same, also returning the pre-norm mixture. The
   aux-stream pass swaps a tap's consumer to it, so a tap costs one ``[T,H]`` write.
 - ``attn_res_mix``: the pure pre-norm mixture, no mutation.
-- ``aux_tap``: the tap marker; the aux-stream pass removes every one.
+- ``aux_tap``: the tap marker (a ``custom_op``); the aux-stream pass removes every one.
 
 The ten arguments of ``attn_res`` and ``attn_res_capture`` are one record,
 ``AttnResArgs`` (``ops/attn_res_args.py``): their schemas are inferred from its fields and
@@ -26,8 +33,19 @@ from .conventions import MUTATED_ARGS
 from .cpu import attn_res_cpu, mix_cpu
 from .validate import validate_sources, validate_tap
 
+_LIB = torch.library.Library("kimi", "FRAGMENT")  # noqa: TOR901  (ops live as long as the module)
 
-@torch.library.custom_op("kimi::attn_res", mutates_args=MUTATED_ARGS, device_types="cpu")
+
+def _define(fn, mutates_args=()):
+    """Define ``kimi::<fn name>`` with the schema ``custom_op`` would infer from ``fn`` and
+    register ``fn`` as its CPU kernel; returns the op (``torch.ops.kimi.<name>``)."""
+    name = fn.__name__
+    schema = torch.library.infer_schema(fn, mutates_args=mutates_args)
+    _LIB.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
+    _LIB.impl(name, fn, "CPU")
+    return getattr(torch.ops.kimi, name)
+
+
 @record_signature(returns=torch.Tensor)
 def attn_res(*args) -> torch.Tensor:
     a = AttnResArgs(*args)
@@ -35,7 +53,6 @@ def attn_res(*args) -> torch.Tensor:
     return attn_res_cpu(a, capture=False)[0]
 
 
-@torch.library.custom_op("kimi::attn_res_capture", mutates_args=MUTATED_ARGS, device_types="cpu")
 @record_signature(returns=tuple[torch.Tensor, torch.Tensor])
 def attn_res_capture(*args) -> tuple[torch.Tensor, torch.Tensor]:
     a = AttnResArgs(*args)
@@ -46,7 +63,6 @@ def attn_res_capture(*args) -> tuple[torch.Tensor, torch.Tensor]:
     return out, mixed
 
 
-@torch.library.custom_op("kimi::attn_res_mix", mutates_args=(), device_types="cpu")
 def attn_res_mix(
     prefix: torch.Tensor,
     blocks: torch.Tensor,
@@ -57,8 +73,12 @@ def attn_res_mix(
 ) -> torch.Tensor:
     a = AttnResArgs.mix(prefix, blocks, norm_weight, qk_weight, num_blocks, eps)
     validate_sources(a)
-    mixed = mix_cpu(a).to(prefix.dtype)
-    return mixed.clone() if mixed is prefix else mixed
+    return mix_cpu(a)
+
+
+attn_res = _define(attn_res, MUTATED_ARGS)
+attn_res_capture = _define(attn_res_capture, MUTATED_ARGS)
+attn_res_mix = _define(attn_res_mix)
 
 
 @torch.library.custom_op("kimi::aux_tap", mutates_args=())
@@ -68,25 +88,70 @@ def aux_tap_op(x: torch.Tensor, capture_id: int) -> torch.Tensor:
     return x.clone()
 
 
+# --------------------------------------------------------------------------- autograd
+
+_MUTATED_IDX = tuple(AttnResArgs._fields.index(name) for name in MUTATED_ARGS)
+
+
+class _NoFormula(torch.autograd.Function):
+    """A mutating op's call when an input requires grad: runs it, refuses a backward."""
+
+    @staticmethod
+    def forward(ctx, op, keyset, *args):
+        ctx.op = op
+        return _redispatch(op, keyset, args)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"Trying to backward through {ctx.op} but no autograd formula exists: it "
+            f"mutates {' and '.join(MUTATED_ARGS)}, and torch has no autograd for an op that "
+            f"mutates its inputs. Train through kimi_passes.ops.attn_res_differentiable / "
+            f"attn_res_capture_differentiable (same arguments, same effects).")
+
+
+def _redispatch(op, keyset, args):
+    # What custom_op's version-bump kernel does, in the same Python frame as the autograd
+    # check: autograd sees prefix and blocks change (a saved copy of either fails loudly).
+    for i in _MUTATED_IDX:
+        torch.autograd.graph.increment_version(args[i])
+    with torch._C._AutoDispatchBelowADInplaceOrView():
+        return op.redispatch(keyset & torch._C._after_ADInplaceOrView_keyset, *args)
+
+
+def _inference_autograd(op):
+    def kernel(keyset, *args):
+        if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+            return _NoFormula.apply(op, keyset, *args)
+        return _redispatch(op, keyset, args)
+
+    _LIB.impl(op._opname, kernel, "Autograd", with_keyset=True)
+
+
+_inference_autograd(attn_res.default)
+_inference_autograd(attn_res_capture.default)
+
+
+# --------------------------------------------------------------------------- fake kernels
 # The dispatcher hands kernels the schema's arguments positionally (it has no keyword-only
 # ones), whatever form the caller used: ``*args`` is the record in schema order.
 
 
-@attn_res.register_fake
+@torch.library.register_fake("kimi::attn_res", lib=_LIB)
 def _attn_res_fake(*args):
     a = AttnResArgs(*args)
     validate_sources(a)
     return torch.empty_like(a.prefix)
 
 
-@attn_res_capture.register_fake
+@torch.library.register_fake("kimi::attn_res_capture", lib=_LIB)
 def _attn_res_capture_fake(*args):
     a = AttnResArgs(*args)
     validate_sources(a)
     return torch.empty_like(a.prefix), torch.empty_like(a.prefix)
 
 
-@attn_res_mix.register_fake
+@torch.library.register_fake("kimi::attn_res_mix", lib=_LIB)
 def _attn_res_mix_fake(*args):
     a = AttnResArgs.mix(*args)
     validate_sources(a)
@@ -99,26 +164,28 @@ def _aux_tap_fake(x, capture_id):
     return torch.empty_like(x)
 
 
-def _register_cuda() -> None:
-    """CUDA dispatches to the Triton kernel (imported lazily: triton is Linux-only)."""
-
-    @attn_res.register_kernel("cuda")
-    def _attn_res_cuda(*args):
-        from .triton_kernels import attn_res_triton
-
-        return attn_res_triton(*args)
-
-    @attn_res_capture.register_kernel("cuda")
-    def _attn_res_capture_cuda(*args):
-        from .triton_kernels import attn_res_capture_triton
-
-        return attn_res_capture_triton(*args)
-
-    @attn_res_mix.register_kernel("cuda")
-    def _attn_res_mix_cuda(*args):
-        from .triton_kernels import attn_res_mix_triton
-
-        return attn_res_mix_triton(*args)
+# --------------------------------------------------------------------------- CUDA
 
 
-_register_cuda()
+def _attn_res_cuda(*args):
+    from .triton_kernels import attn_res_triton
+
+    return attn_res_triton(*args)
+
+
+def _attn_res_capture_cuda(*args):
+    from .triton_kernels import attn_res_capture_triton
+
+    return attn_res_capture_triton(*args)
+
+
+def _attn_res_mix_cuda(*args):
+    from .triton_kernels import attn_res_mix_triton
+
+    return attn_res_mix_triton(*args)
+
+
+# CUDA dispatches to the Triton kernels (imported lazily: triton is Linux-only).
+_LIB.impl("attn_res", _attn_res_cuda, "CUDA")
+_LIB.impl("attn_res_capture", _attn_res_capture_cuda, "CUDA")
+_LIB.impl("attn_res_mix", _attn_res_mix_cuda, "CUDA")
