@@ -10,12 +10,16 @@ sum, output norm) reads that buffer, not memory. All scratch space is allocated
 once per call and reused through ``out=`` variants: fresh multi-MB allocations
 cost page faults on every call. Accumulation is fp32 throughout; the outputs are
 rounded to the input dtype once.
+
+Small calls (decode sizes) run in C instead (``cpu_native.py``): there the dozen ATen
+calls below cost more than the arithmetic.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import cpu_native
 from .attn_res_args import AttnResArgs
 
 # Rows per chunk are sized so the chunk's fp32 staging buffer is about this many bytes.
@@ -30,7 +34,15 @@ def _chunk_rows(T: int, n_src: int, H: int) -> int:
 
 
 def _attn_res_rows(a: AttnResArgs, out, mixed):
-    """Fill ``out`` (and ``mixed``, the pre-norm mixture, when not None) chunk by chunk."""
+    """Fill ``out`` (and ``mixed``, the pre-norm mixture, when not None): in C where
+    ``cpu_native.serves`` the call, else chunk by chunk with torch."""
+    if not (cpu_native.serves(a, 1 if mixed is None else 2)
+            and cpu_native.attn_res_rows(a, out, mixed)):
+        torch_rows(a, out, mixed)
+
+
+def torch_rows(a: AttnResArgs, out, mixed):
+    """The torch path of ``_attn_res_rows``."""
     prefix, delta, blocks, output_norm_weight = a.prefix, a.delta, a.blocks, a.output_norm_weight
     block_write_idx, eps = a.block_write_idx, a.eps
     T, H = prefix.shape

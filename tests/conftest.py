@@ -26,6 +26,19 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture(params=["c", "torch"])
+def cpu_path(request, monkeypatch):
+    """Run the test on each CPU path of the kimi ops: the C kernel (``ops/cpu_rows.c``,
+    which serves every call on one thread) and the torch path (larger calls on more
+    threads). The C kernel must have built: a test on it fails rather than fall back."""
+    from kimi_passes.ops import cpu_native
+
+    monkeypatch.setattr(cpu_native, "ENABLED", request.param == "c")
+    if request.param == "c":
+        assert cpu_native._load() is not None, cpu_native._FAILED
+    return request.param
+
+
 @pytest.fixture
 def caches_off():
     """The caches that hand back a compiled graph, off for the test: every compile runs

@@ -228,6 +228,7 @@ def test_a_built_wheel_carries_every_package_and_imports_from_where_it_lies(tmp_
         assert pkg.replace(".", "/") + "/__init__.py" in names, f"{pkg} not in {wheel.name}"
     goldens = sorted(p.name for p in (ROOT / "graphs" / "golden").glob("*.txt"))
     assert goldens and all(f"kimi_passes/graphs/golden/{g}" in names for g in goldens)
+    assert "kimi_passes/ops/cpu_rows.c" in names  # the C kernel builds from the installed source
 
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)

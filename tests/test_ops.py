@@ -134,7 +134,7 @@ def write_slot(mode, NB, nb):
 @pytest.mark.parametrize("onorm", [False, True], ids=["no_onorm", "onorm"])
 @pytest.mark.parametrize("write", WRITES)
 @pytest.mark.parametrize("delta", [False, True], ids=["no_delta", "delta"])
-def test_grid(dtype, delta, write, onorm):
+def test_grid(cpu_path, dtype, delta, write, onorm):
     for i, (T, H, NB, nb) in enumerate(SHAPES):
         idx = write_slot(write, NB, nb)
         args = make_args(T, H, NB, nb, idx, dtype, delta=delta, onorm=onorm, seed=i)
@@ -143,7 +143,7 @@ def test_grid(dtype, delta, write, onorm):
 
 
 @pytest.mark.parametrize("seed", range(24))
-def test_random(seed):
+def test_random(cpu_path, seed):
     rng = random.Random(seed)
     T = rng.choice([0, 1, 7, 64, 300])
     H = rng.choice([1, 16, 100, 128, 1024])
@@ -159,8 +159,9 @@ def test_random(seed):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("chunk_bytes", [1, 5000, 1 << 16])
 def test_cpu_path_row_chunks(monkeypatch, dtype, chunk_bytes):
-    """The CPU path works a chunk of rows at a time; chunks of 1 row, a few rows and a
-    ragged last chunk give the same results (delta add and block write per chunk too)."""
+    """The torch CPU path works a chunk of rows at a time; chunks of 1 row, a few rows and
+    a ragged last chunk give the same results (delta add and block write per chunk too)."""
+    monkeypatch.setattr(kimi_ops.cpu_native, "ENABLED", False)
     monkeypatch.setattr(kimi_ops.cpu, "_CHUNK_BYTES", chunk_bytes)
     for nb, write, onorm in [(6, 2, True), (0, 3, True), (5, 7, False)]:
         args = make_args(37, 48, 9, nb, write, dtype, delta=True, onorm=onorm, seed=nb)
@@ -169,7 +170,7 @@ def test_cpu_path_row_chunks(monkeypatch, dtype, chunk_bytes):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(7, 100, 9, 0), (64, 128, 9, 9), (300, 1024, 9, 4)])
-def test_mix_matches_reference(dtype, shape):
+def test_mix_matches_reference(cpu_path, dtype, shape):
     T, H, NB, nb = shape
     args = mix_args(make_args(T, H, NB, nb, -1, dtype, delta=False, onorm=False))
     before = clone_args(args)
@@ -182,7 +183,7 @@ def test_mix_matches_reference(dtype, shape):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("onorm", [False, True], ids=["no_onorm", "onorm"])
-def test_large_magnitude(dtype, onorm):
+def test_large_magnitude(cpu_path, dtype, onorm):
     """Sources x1e4 (v^2 overflows fp16: the norms must accumulate in fp32), and a large
     pseudo-query whose logits (~1e2-1e3) overflow a softmax without max subtraction.
 
@@ -198,7 +199,7 @@ def test_large_magnitude(dtype, onorm):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_nan_propagates(dtype):
+def test_nan_propagates(cpu_path, dtype):
     T, H, NB, nb = 7, 100, 9, 5
     args = make_args(T, H, NB, nb, -1, dtype, delta=True, onorm=True)
     args[2][3, 1, 17] = float("nan")  # a read block source of row 3
@@ -212,7 +213,7 @@ def test_nan_propagates(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("nb", [0, 3])
-def test_outputs_never_alias_inputs(dtype, nb):
+def test_outputs_never_alias_inputs(cpu_path, dtype, nb):
     """Also num_blocks == 0 (mixture == prefix) and fp32 with no output norm."""
     for delta, write, onorm in [(False, -1, False), (True, 1, False), (True, -1, True)]:
         args = make_args(5, 16, 4, nb, write, dtype, delta=delta, onorm=onorm)
@@ -233,7 +234,7 @@ def test_outputs_never_alias_inputs(dtype, nb):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("write", [-1, 1, 6])
-def test_strided_views(dtype, write):
+def test_strided_views(cpu_path, dtype, write):
     """blocks a dim-1 slice of a bigger bank; prefix and delta row-strided views."""
     T, H, NB, nb = 64, 100, 7, 4
     g = torch.Generator().manual_seed(1)
@@ -273,7 +274,7 @@ def test_strided_views(dtype, write):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_empty_tokens(dtype):
+def test_empty_tokens(cpu_path, dtype):
     for nb, write in [(0, -1), (3, 1), (4, 0)]:
         args = make_args(0, 16, 4, nb, write, dtype, delta=True, onorm=True)
         assert OPS.attn_res(*args).shape == (0, 16)

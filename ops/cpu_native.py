@@ -1,0 +1,148 @@
+"""The small-shape CPU kernel (``cpu_rows.c``): built once with the machine's C compiler,
+called through ``ctypes``.
+
+At decode sizes the torch path of ``cpu.py`` is a dozen ATen calls whose dispatch costs
+more than the arithmetic; ``cpu_rows.c`` does the whole call in one C function (docs/design.md
+section 9 has the figures). It runs on one thread, so it serves a call when torch runs one
+thread (measured faster than the torch path at every size, 1.3-6.8x) or when the call's
+elements (sources plus outputs) times torch's thread count are at most ``PARALLEL_ELEMENTS``
+(2^20 elements at 2 threads, where it measured 1.1-5x faster; above some 10^7 elements the
+torch path's two threads win). The scaling by thread count is a model, not a measurement:
+with more threads the torch path wins earlier.
+
+The build: ``$CC`` (default ``cc``, the compiler Inductor's CPU backend needs anyway) with
+``-O3 -shared -fPIC``, no ``-march=native`` (a cache on a shared home directory may serve
+other machines), into ``$KIMI_PASSES_CACHE_DIR`` (default ``$XDG_CACHE_HOME/kimi_passes``,
+else ``~/.cache/kimi_passes``) under a name keyed by the source, the flags and the machine
+type; written to a temporary file and renamed, so concurrent processes share one build.
+Where it cannot build or load, the ops warn once (``KimiNativeWarning``, naming the reason
+and what to do) and use the torch path. ``KIMI_PASSES_NATIVE_CPU=0`` (read at import) turns
+it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from .attn_res_args import AttnResArgs
+
+SOURCE = Path(__file__).with_name("cpu_rows.c")
+FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11")
+#: Elements of a call (sources plus outputs) times torch's threads that the C kernel serves.
+PARALLEL_ELEMENTS = 1 << 21
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+class KimiNativeWarning(RuntimeWarning):
+    """The small-shape CPU kernel could not be built or loaded; the torch path serves."""
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("KIMI_PASSES_CACHE_DIR")
+    if root:
+        return Path(root)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "kimi_passes"
+
+
+def _compiler() -> str:
+    return os.environ.get("CC") or "cc"
+
+
+def library_path() -> Path:
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((_compiler(), *FLAGS)).encode())
+    return cache_dir() / f"cpu_rows-{platform.machine()}-{key.hexdigest()[:16]}.so"
+
+
+def build(path: Path) -> None:
+    """Compile ``cpu_rows.c`` into ``path`` (atomically); raise naming what failed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        cmd = [_compiler(), *FLAGS, str(SOURCE), "-o", tmp, "-lm"]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"`{' '.join(cmd)}` failed: {done.stderr.strip()[-500:]}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+_LIB: ctypes.CDLL | None = None
+_FAILED: str | None = None
+
+
+def _load() -> ctypes.CDLL | None:
+    global _LIB, _FAILED
+    if _LIB is not None or _FAILED is not None:
+        return _LIB
+    try:
+        path = library_path()
+        if not path.exists():
+            build(path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, RuntimeError) as e:
+        _FAILED = str(e)
+        warnings.warn(
+            f"kimi_passes: the small-shape CPU kernel of the kimi ops could not be built or "
+            f"loaded ({_FAILED}); the CPU ops use the torch path, which is slower at decode "
+            f"sizes. Install a C compiler (or set CC), or set KIMI_PASSES_CACHE_DIR to a "
+            f"writable directory; KIMI_PASSES_NATIVE_CPU=0 turns the kernel off quietly.",
+            KimiNativeWarning, stacklevel=4)
+        return None
+    fn = lib.kimi_attn_res_rows
+    i64, ptr, f64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
+    fn.argtypes = [ctypes.c_int, i64, i64, i64, i64, ptr, i64, ptr, i64, ptr, i64, i64,
+                   ptr, ptr, ptr, f64, f64, ptr, i64, ptr, i64]
+    fn.restype = ctypes.c_int
+    _LIB = lib
+    return lib
+
+
+#: Read once at import: ``KIMI_PASSES_NATIVE_CPU=0`` keeps every call on the torch path.
+ENABLED = os.environ.get("KIMI_PASSES_NATIVE_CPU", "1") != "0"
+
+
+def serves(a: AttnResArgs, outputs: int) -> bool:
+    """Whether the C kernel takes this call (``outputs`` ``[T, H]`` tensors written): one
+    thread or a small call, a supported dtype, every tensor's last dimension contiguous."""
+    T, H = a.prefix.shape
+    threads = torch.get_num_threads()
+    return (ENABLED and a.prefix.dtype in _DTYPE_CODE
+            and (threads == 1
+                 or T * H * (a.num_blocks + 1 + outputs) * threads <= PARALLEL_ELEMENTS)
+            and all(t is None or t.stride(-1) == 1 or H <= 1 for t in a[:6]))
+
+
+def attn_res_rows(a: AttnResArgs, out: torch.Tensor, mixed: torch.Tensor | None) -> bool:
+    """Run the call in C, filling ``out`` (and ``mixed``); False where the C kernel is not
+    available (the caller then runs the torch path)."""
+    lib = _load()
+    if lib is None:
+        return False
+    T, H = a.prefix.shape
+    delta, blocks, onw = a.delta, a.blocks, a.output_norm_weight
+    rc = lib.kimi_attn_res_rows(
+        _DTYPE_CODE[a.prefix.dtype], T, H, a.num_blocks, a.block_write_idx,
+        a.prefix.data_ptr(), a.prefix.stride(0),
+        None if delta is None else delta.data_ptr(), 0 if delta is None else delta.stride(0),
+        blocks.data_ptr(), blocks.stride(0), blocks.stride(1),
+        a.norm_weight.data_ptr(), a.qk_weight.data_ptr(),
+        None if onw is None else onw.data_ptr(), a.eps, a.output_norm_eps,
+        out.data_ptr(), out.stride(0),
+        None if mixed is None else mixed.data_ptr(), 0 if mixed is None else mixed.stride(0))
+    if rc != 0:
+        raise MemoryError(f"kimi attn_res: the CPU kernel could not allocate "
+                          f"{(H * (a.num_blocks + 3)) * 4} bytes of scratch")
+    return True

@@ -1,0 +1,158 @@
+/* Small-shape CPU kernel of the AttnRes ops (ops/cpu_native.py builds and calls it).
+ *
+ * The same computation as ops/cpu.py (docs/design.md section 3), one row at a time, in
+ * one call: at decode sizes the torch path's dozen ATen calls cost more than the
+ * arithmetic. Per row: the delta add (fp32, one rounding, written back into prefix), the
+ * block write, the sources upcast once into an fp32 stage, RMS-normed query logits, the
+ * softmax over depth, the weighted sum, the optional output RMSNorm. Accumulation is
+ * fp32; each output is rounded to the dtype once. Reductions keep eight partial sums.
+ *
+ * Tensors: the last dimension contiguous; row strides in elements. dtype: 0 fp32,
+ * 1 bf16, 2 fp16. Returns 0, or -1 when scratch memory cannot be allocated.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Four fp32 lanes: one SSE register (GCC's vector extension; x86-64's baseline). */
+typedef float v4 __attribute__((vector_size(16)));
+
+static inline v4 load4(const float *p) {
+    v4 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline float hsum(v4 a, v4 b) {
+    v4 v = a + b;
+    return (v[0] + v[1]) + (v[2] + v[3]);
+}
+
+static inline float bf16_to_f32(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+static void to_f32(int dtype, const void *restrict src, float *restrict dst, int64_t H) {
+    if (dtype == 0) {
+        memcpy(dst, src, (size_t)H * sizeof(float));
+    } else if (dtype == 1) {
+        const uint16_t *s = src;
+        for (int64_t h = 0; h < H; h++) dst[h] = bf16_to_f32(s[h]);
+    } else {
+        const _Float16 *s = src;
+        for (int64_t h = 0; h < H; h++) dst[h] = (float)s[h];
+    }
+}
+
+static void from_f32(int dtype, const float *restrict src, void *restrict dst, int64_t H) {
+    if (dtype == 0) {
+        memcpy(dst, src, (size_t)H * sizeof(float));
+    } else if (dtype == 1) {
+        uint16_t *d = dst;
+        for (int64_t h = 0; h < H; h++) d[h] = f32_to_bf16(src[h]);
+    } else {
+        _Float16 *d = dst;
+        for (int64_t h = 0; h < H; h++) d[h] = (_Float16)src[h];
+    }
+}
+
+/* dot(a, b) and dot(a, a), eight partial sums each (two registers), then the tail. */
+static void dot2(const float *restrict a, const float *restrict b, int64_t H, float *ab,
+                 float *aa) {
+    v4 s0 = {0}, s1 = {0}, q0 = {0}, q1 = {0};
+    int64_t h = 0;
+    for (; h + 8 <= H; h += 8) {
+        v4 x0 = load4(a + h), x1 = load4(a + h + 4);
+        s0 += x0 * load4(b + h);
+        s1 += x1 * load4(b + h + 4);
+        q0 += x0 * x0;
+        q1 += x1 * x1;
+    }
+    float ts = hsum(s0, s1), tq = hsum(q0, q1);
+    for (; h < H; h++) {
+        ts += a[h] * b[h];
+        tq += a[h] * a[h];
+    }
+    *ab = ts;
+    *aa = tq;
+}
+
+int kimi_attn_res_rows(int dtype, int64_t T, int64_t H, int64_t num_blocks,
+                       int64_t block_write_idx, void *prefix, int64_t prefix_rs,
+                       const void *delta, int64_t delta_rs, void *blocks, int64_t blocks_rs,
+                       int64_t blocks_ss, const void *norm_weight, const void *qk_weight,
+                       const void *onw, double eps, double oeps, void *out, int64_t out_rs,
+                       void *mixed, int64_t mixed_rs) {
+    const int64_t n = num_blocks + 1, es = dtype == 0 ? 4 : 2;
+    const float feps = (float)eps, foeps = (float)oeps, fH = (float)H;
+    /* scratch: w, onw, m, tmp [H] each; stage [n, H]; logits [n] */
+    float *w = malloc(sizeof(float) * (size_t)(H * (n + 4) + n));
+    if (!w) return -1;
+    float *on = w + H, *m = on + H, *tmp = m + H, *stage = tmp + H, *lg = stage + n * H;
+    to_f32(dtype, norm_weight, tmp, H);
+    to_f32(dtype, qk_weight, w, H);
+    for (int64_t h = 0; h < H; h++) w[h] *= tmp[h]; /* the folded query, rounded to fp32 */
+    if (onw) to_f32(dtype, onw, on, H);
+
+    for (int64_t t = 0; t < T; t++) {
+        char *x = (char *)prefix + t * prefix_rs * es;
+        float *xs = stage + num_blocks * H; /* the prefix is the last source */
+        to_f32(dtype, x, xs, H);
+        if (delta) { /* fp32 add, one rounding, written back; the rounded sum is mixed */
+            to_f32(dtype, (const char *)delta + t * delta_rs * es, tmp, H);
+            for (int64_t h = 0; h < H; h++) tmp[h] += xs[h];
+            from_f32(dtype, tmp, x, H);
+            to_f32(dtype, x, xs, H);
+        }
+        char *brow = (char *)blocks + t * blocks_rs * es;
+        if (block_write_idx >= 0)
+            memcpy(brow + block_write_idx * blocks_ss * es, x, (size_t)(H * es));
+        const float *mix = xs; /* a single source gets softmax weight 1 */
+        if (num_blocks > 0) {
+            for (int64_t j = 0; j < num_blocks; j++)
+                to_f32(dtype, brow + j * blocks_ss * es, stage + j * H, H);
+            float top = -INFINITY, total = 0.0f;
+            for (int64_t j = 0; j < n; j++) {
+                float dot, sq;
+                dot2(stage + j * H, w, H, &dot, &sq);
+                lg[j] = dot * (1.0f / sqrtf(sq / fH + feps));
+                top = lg[j] > top ? lg[j] : top;
+            }
+            for (int64_t j = 0; j < n; j++) {
+                lg[j] = expf(lg[j] - top);
+                total += lg[j];
+            }
+            memset(m, 0, (size_t)H * sizeof(float));
+            for (int64_t j = 0; j < n; j++) {
+                const float p = lg[j] / total, *restrict v = stage + j * H;
+                for (int64_t h = 0; h < H; h++) m[h] += p * v[h];
+            }
+            mix = m;
+        }
+        if (mixed) from_f32(dtype, mix, (char *)mixed + t * mixed_rs * es, H);
+        char *o = (char *)out + t * out_rs * es;
+        if (!onw) {
+            from_f32(dtype, mix, o, H);
+            continue;
+        }
+        float unused, sq;
+        dot2(mix, mix, H, &unused, &sq);
+        const float r = 1.0f / sqrtf(sq / fH + foeps);
+        for (int64_t h = 0; h < H; h++) tmp[h] = (mix[h] * r) * on[h];
+        from_f32(dtype, tmp, o, H);
+    }
+    free(w);
+    return 0;
+}
