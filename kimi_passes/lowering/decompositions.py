@@ -146,3 +146,30 @@ def attn_res_mix_backward(grad, prefix, blocks, norm_weight, qk_weight, *, num_b
         if bank is not None:
             dw = dw + (a[:, :n, None] * bank).sum((0, 1))
     return dprefix, dblocks, dw
+
+
+def attn_res_mix_list_backward(grad, sources, norm_weight, qk_weight, *, eps: float,
+                               need_sources: bool, need_weights: bool):
+    """``kimi.attn_res_mix_list_backward``: ``(dsources, dw)`` (``ops/backward.py``).
+
+    ``attn_res_mix_backward``'s formulas, one term per source (each read where it lies);
+    ``dsources`` is ``[]`` when not asked for, ``dw`` an empty ``[0]`` tensor.
+    """
+    H = grad.shape[-1]
+    w = folded_query(norm_weight, qk_weight)
+    g = grad.float()
+    values = [s.float() for s in sources]
+    r = torch.stack([_inv_rms(v, eps) for v in values], dim=-1)
+    logit = torch.stack([(v * w).sum(-1) for v in values], dim=-1) * r
+    gv = torch.stack([(v * g).sum(-1) for v in values], dim=-1)
+    p = torch.softmax(logit, dim=-1)
+    a = (gv - (p * gv).sum(-1, keepdim=True)) * p * r
+    c = a * logit * r / -H
+    dsources = []
+    if need_sources:
+        dsources = [(p[..., j, None] * g + a[..., j, None] * w + c[..., j, None] * v).to(s.dtype)
+                    for j, (v, s) in enumerate(zip(values, sources, strict=True))]
+    dw = sources[0].new_empty((0,))
+    if need_weights:
+        dw = sum((a[..., j, None] * v).reshape(-1, H).sum(0) for j, v in enumerate(values))
+    return dsources, dw

@@ -1,10 +1,11 @@
 """``LowerKimiOps``: on CPU, every kimi op of a post-grad graph becomes generated code.
 
 Invariant after the pass: no ``kimi.attn_res`` / ``attn_res_capture`` (bare or inside
-``auto_functionalized`` v1/v2), ``attn_res_mix``, ``attn_res_mix_list`` or
-``attn_res_mix_backward`` call on a CPU tensor of the ops' dtypes is left; each is
-replaced by its ATen statement (``decompositions.py``), which Inductor compiles into C++
-loops fused with its neighbours, with no Python op dispatch. CUDA calls stay the Triton
+``auto_functionalized`` v1/v2), ``attn_res_mix``, ``attn_res_mix_list``,
+``attn_res_mix_backward`` or ``attn_res_mix_list_backward`` call on a CPU tensor of the
+ops' dtypes is left; each is replaced by its ATen statement (``decompositions.py``),
+which Inductor compiles into C++ loops fused with its neighbours, with no Python op
+dispatch. CUDA calls stay the Triton
 kernels. A call the pass cannot lower (a mutated argument that is a view of another
 tensor, under ``auto_functionalized_v2``; fp64) stays the op, and the log says so.
 Under Inductor's ``fallback_by_default`` (every op an ATen call, no generated code) the
@@ -55,7 +56,13 @@ PURE = {
         dec.attn_res_mix_backward, (grad, prefix, blocks, nw, qk),
         {"num_blocks": num_blocks, "eps": eps, "need_prefix": need_p, "need_blocks": need_b,
          "need_weights": need_w}),
+    kimi.attn_res_mix_list_backward.default: lambda grad, sources, nw, qk, eps, need_s,
+    need_w: (
+        dec.attn_res_mix_list_backward, (grad, list(sources), nw, qk),
+        {"eps": eps, "need_sources": need_s, "need_weights": need_w}),
 }
+#: Pure ops with several outputs (read through ``getitem``).
+MULTI_OUTPUT = (kimi.attn_res_mix_backward.default, kimi.attn_res_mix_list_backward.default)
 
 
 class LowerKimiOps(KimiGraphPass):
@@ -160,10 +167,15 @@ def _inline(graph: Graph, anchor: Node, fn, args, const: dict) -> list:
 
 
 def _replace(graph: Graph, node: Node, outputs: dict) -> None:
-    """Point every ``node[i]`` reader at ``outputs[i]``; erase ``node``."""
+    """Point every ``node[i]`` reader at ``outputs[i]`` (``node[i][k]`` at ``outputs[i][k]``
+    where that is a list); erase ``node``."""
     for user in list(node.users):
         if user.op == "call_function" and user.target is operator.getitem:
-            user.replace_all_uses_with(outputs[user.args[1]])
+            new = outputs[user.args[1]]
+            if isinstance(new, list):
+                _replace(graph, user, dict(enumerate(new)))
+                continue
+            user.replace_all_uses_with(new)
             graph.erase_node(user)
     if node.users:
         raise AssertionError(f"LowerKimiOps: {node.name} has users other than getitem")
@@ -186,7 +198,7 @@ def _lower_attn_res(graph: Graph, call: AttnResCall) -> None:
 def _lower_pure(graph: Graph, node: Node) -> None:
     fn, args, const = PURE[node.target](*node.args, **node.kwargs)
     outs = _inline(graph, node, fn, args, const)
-    if node.target is kimi.attn_res_mix_backward.default:
+    if node.target in MULTI_OUTPUT:
         _replace(graph, node, dict(enumerate(outs)))
     else:
         node.replace_all_uses_with(outs[0])
