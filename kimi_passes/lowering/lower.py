@@ -5,9 +5,9 @@ Invariant after the pass: no ``kimi.attn_res`` / ``attn_res_capture`` (bare or i
 ``attn_res_mix_backward`` or ``attn_res_mix_list_backward`` call on a CPU tensor of the
 ops' dtypes is left; each is replaced by its ATen statement (``decompositions.py``),
 which Inductor compiles into C++ loops fused with its neighbours, with no Python op
-dispatch. CUDA calls stay the Triton
-kernels. A call the pass cannot lower (a mutated argument that is a view of another
-tensor, under ``auto_functionalized_v2``; fp64) stays the op, and the log says so.
+dispatch. CUDA calls stay the Triton kernels. A call the pass cannot lower (a mutated
+argument that is a view of another tensor, under ``auto_functionalized_v2``; fp64) stays
+the op, and the log says so.
 Under Inductor's ``fallback_by_default`` (every op an ATen call, no generated code) the
 pass keeps every call: there is nothing to fuse the statement into.
 
