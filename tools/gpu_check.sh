@@ -26,6 +26,8 @@
 #      (tests/test_cuda.py::test_k3_tiny_cuda_graphs_replay_with_new_inputs)
 #   5. decode-regime sweep: T = 1, 8, 64, 256 at H=7168 nb=8 bf16, the full variant, against
 #      the compiled plain-torch statement and the copy roofline
+#   5b. whole compiled steps on CUDA: the reference K3 (L=8, H=512) at T = 1, 8, 64 under
+#      kimi_backend against plain Inductor (python -m kimi_passes.bench.decode --device cuda)
 #   6. (if time is left) the tap section on CUDA with a small K3
 #   7. (if time is left) peers at a power-of-two width (flash-attn-res needs one) and fp32
 #
@@ -135,6 +137,9 @@ step "cuda graphs: tiny K3, kimi_backend, mode=reduce-overhead, 5 replays, taps 
 step "op bench: decode sweep T=1,8,64,256 at H=7168 nb=8 bf16 (full) vs compiled, copy" 100 \
     bench --only op --T 1 8 64 256 --H 7168 --blocks 8 --dtypes bfloat16 --variants full \
     --out "$RESULTS/op_decode.json" --text "$RESULTS/op_decode.txt"
+step "whole K3 step on CUDA, T=1,8,64: kimi_backend vs plain Inductor" 120 \
+    bash -c '"$PY" -m kimi_passes.bench.decode --device cuda --models k3 --T 1 8 64 \
+        --rounds 7 --block-ms 20 | tee "$RESULTS/decode_cuda.txt"'
 step "tap bench (small K3 on CUDA)" 100 \
     bench --only tap --quick --out "$RESULTS/tap.json" --text "$RESULTS/tap.txt"
 step "op bench: peers at H=4096 (flash-attn-res needs a power of 2) and fp32" 80 \
@@ -146,6 +151,7 @@ echo "=== summary ($((SECONDS - START))s) ==="
 for s in "${STATUS[@]}"; do echo "  $s"; done
 grep -h -E "^ +(MET|MISS) " "$RESULTS"/*.txt 2>/dev/null | sort -u
 [ -f "$RESULTS/op_decode.txt" ] && { echo "--- decode sweep ---"; cat "$RESULTS/op_decode.txt"; }
+[ -f "$RESULTS/decode_cuda.txt" ] && { echo "--- whole K3 step ---"; cat "$RESULTS/decode_cuda.txt"; }
 {
     for s in "${STATUS[@]}"; do echo "$s"; done
     grep -h -E "^ +(MET|MISS) " "$RESULTS"/*.txt 2>/dev/null | sort -u

@@ -24,7 +24,10 @@ Models (inference, ``torch.no_grad()``):
   (its tokens as ``[batch, seq]``: decode [8, 1], [1, 16], prefill [1, 512]).
 
 ``--dynamic``: one graph compiled with a dynamic token dimension serves every T (as vLLM
-compiles it); default: one static graph per T. Run::
+compiles it); default: one static graph per T. ``--device cuda`` runs the models on the
+GPU (a sample is a synchronised step: wall time, launches included; ``kimi`` and
+``kimi-ops`` are the same graph there, the lowering being CPU-only), as
+tools/gpu_check.sh does. Run::
 
     python -m kimi_passes.bench.decode                       # every model, static shapes
     python -m kimi_passes.bench.decode --dynamic --models k3,wiring
@@ -95,8 +98,14 @@ def attn_res_package(d: int = 256, layers: int = 8):
     return model
 
 
-def cases(names, tokens):
+def cases(names, tokens, device="cpu"):
     """(model name, shape label, baseline model, candidate model, inputs) per row."""
+    for name, shape, base, cand, inputs in _cases(names, tokens):
+        yield (name, shape, base.to(device), cand.to(device),
+               tuple(x.to(device) for x in inputs))
+
+
+def _cases(names, tokens):
     g = torch.Generator().manual_seed(0)
     for name in names:
         if name == "attn-res":
@@ -123,13 +132,14 @@ def compiled(model, backend, dynamic: bool):
     return torch.compile(model, backend=backend, fullgraph=True, dynamic=dynamic)
 
 
-def run(names, tokens, dynamic: bool, timer: CpuTimer, out=sys.stdout) -> list[dict]:
+def run(names, tokens, dynamic: bool, timer: CpuTimer, out=sys.stdout,
+        device: str = "cpu") -> list[dict]:
     rows = []
     backends = {"kimi": make_kimi_backend(), "kimi-ops": make_kimi_backend(lower_kimi_ops=False)}
     compiled_models: dict = {}
     print(f"{'model':9} {'shape':9} {'inductor ms':>12} {'kimi ms':>9} {'ratio [IQR]':>20} "
           f"{'kimi-ops ms':>12} {'ratio [IQR]':>20}", file=out, flush=True)
-    for name, shape, base, cand, inputs in cases(names, tokens):
+    for name, shape, base, cand, inputs in cases(names, tokens, device):
         key = (name, id(base), id(cand))
         if not dynamic or key not in compiled_models:
             # A fresh Dynamo per graph: models share forward code objects, and three
@@ -148,7 +158,7 @@ def run(names, tokens, dynamic: bool, timer: CpuTimer, out=sys.stdout) -> list[d
                 if err > 1e-3 * scale:
                     raise AssertionError(f"{name} {shape}: {k} disagrees with plain Inductor "
                                          f"(max abs error {err:.3g}, scale {scale:.3g})")
-            samples = timer.run({k: (lambda f=f, x=inputs: f(*x)) for k, f in fns.items()})
+            samples = timer.run({k: _step(f, inputs, device) for k, f in fns.items()})
         row = {"model": name, "shape": shape, "dynamic": dynamic,
                "ms": {k: summary(v)["median"] * 1e3 for k, v in samples.items()},
                "ratio": {k: ratio_summary(samples["inductor"], samples[k]) for k in backends}}
@@ -158,6 +168,19 @@ def run(names, tokens, dynamic: bool, timer: CpuTimer, out=sys.stdout) -> list[d
               f"{_fmt(r['kimi']):>20} {row['ms']['kimi-ops']:12.3f} {_fmt(r['kimi-ops']):>20}",
               file=out, flush=True)
     return rows
+
+
+def _step(fn, inputs, device: str):
+    """One call; on CUDA synchronised, so a sample is the step's wall time, launches
+    included (at decode sizes a GPU step is bound by them)."""
+    if device == "cpu":
+        return lambda: fn(*inputs)
+
+    def step():
+        fn(*inputs)
+        torch.cuda.synchronize()
+
+    return step
 
 
 def _fmt(s: dict) -> str:
@@ -172,6 +195,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--block-ms", type=float, default=40.0)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (tools/gpu_check.sh)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     names = [m.strip() for m in a.models.split(",") if m.strip()]
@@ -179,9 +203,9 @@ def main(argv=None) -> int:
     if bad:
         p.error(f"unknown model(s) {bad}; choose from {list(MODELS)}")
     timer = CpuTimer(rounds=a.rounds, block_s=a.block_ms / 1e3, threads=a.threads)
-    print(f"torch {torch.__version__}, {a.threads} thread(s), "
+    print(f"torch {torch.__version__}, {a.device}, {a.threads} thread(s), "
           f"{'dynamic' if a.dynamic else 'static'} shapes; ratio = t(plain Inductor) / t(x)")
-    run(names, a.T, a.dynamic, timer)
+    run(names, a.T, a.dynamic, timer, device=a.device)
     return 0
 
 

@@ -18,8 +18,8 @@ the figures are the medians over rounds and the ratio the median of per-round ra
 Inference (default): under ``torch.no_grad()``, outputs checked to agree first.
 ``--train``: a training step, forward plus ``torch.autograd.grad`` of a fixed linear
 functional of the output with respect to every input and parameter that requires grad
-(the ``attn-res`` model, ``site``; the K3 model is an inference model here); outputs and
-gradients of both are compared with eager first (kimi_backend must be as close as plain
+(every model; the K3 model built with ``trainable=True``); outputs and gradients of both
+are compared with eager first (kimi_backend must be as close as plain
 Inductor). Run::
 
     python tools/bench_fusion.py                 # every model, fp32, 2 threads
@@ -66,7 +66,7 @@ def k3_model(args):
     cfg = K3Config(num_layers=args.layers, hidden_size=args.hidden, attn_res_block_size=2,
                    num_heads=8, intermediate_size=2 * args.hidden, vocab_size=1024,
                    aux_layer_ids=(2, args.layers // 2, args.layers))
-    model = K3Model(cfg, mixing="torch")
+    model = K3Model(cfg, mixing="torch", trainable=args.train)
     ids = torch.arange(args.tokens) % cfg.vocab_size
     desc = (f"K3Model(mixing='torch') L={cfg.num_layers} S={cfg.attn_res_block_size} "
             f"H={cfg.hidden_size} T={args.tokens}, taps {cfg.aux_layer_ids}")
@@ -183,15 +183,13 @@ def main(argv=None) -> None:
     p.add_argument("--min-run-time", type=float, default=1.0)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--train", action="store_true",
-                   help="time forward + backward (attn-res and site models)")
+                   help="time forward + backward")
     args = p.parse_args(argv)
     logging.getLogger("torch").setLevel(logging.ERROR)
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, CPU, fp32, {torch.get_num_threads()} threads; "
           f"blocked_autorange medians, {args.rounds} interleaved rounds")
     for name, build in (("attn-res", attn_res_model), ("k3", k3_model), ("site", site_model)):
-        if args.train and name == "k3":
-            continue
         if args.model in (name, "all"):
             run(name, build, args)
 
