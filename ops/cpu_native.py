@@ -116,13 +116,21 @@ ENABLED = os.environ.get("KIMI_PASSES_NATIVE_CPU", "1") != "0"
 
 def serves(a: AttnResArgs, outputs: int) -> bool:
     """Whether the C kernel takes this call (``outputs`` ``[T, H]`` tensors written): one
-    thread or a small call, a supported dtype, every tensor's last dimension contiguous."""
+    thread or a small call, a supported dtype, every tensor's last dimension contiguous,
+    no written tensor whose elements share memory (an expanded ``prefix``: the torch path
+    then raises torch's error, where the C kernel would write one row many times)."""
     T, H = a.prefix.shape
     threads = torch.get_num_threads()
     return (ENABLED and a.prefix.dtype in _DTYPE_CODE
             and (threads == 1
                  or T * H * (a.num_blocks + 1 + outputs) * threads <= PARALLEL_ELEMENTS)
-            and all(t is None or t.stride(-1) == 1 or H <= 1 for t in a[:6]))
+            and all(t is None or t.stride(-1) == 1 or H <= 1 for t in a[:6])
+            and not (a.delta is not None and _shares_memory(a.prefix))
+            and not (a.block_write_idx >= 0 and _shares_memory(a.blocks)))
+
+
+def _shares_memory(t: torch.Tensor) -> bool:
+    return torch._debug_has_internal_overlap(t) == 1  # 1: yes; 0: no; 2: too hard to tell
 
 
 def attn_res_rows(a: AttnResArgs, out: torch.Tensor, mixed: torch.Tensor | None) -> bool:

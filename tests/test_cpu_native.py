@@ -81,6 +81,16 @@ def test_which_calls_the_c_kernel_serves(monkeypatch):
 
 
 @pytest.mark.parametrize("cpu_path", ["c", "torch"], indirect=True)
+def test_a_written_tensor_whose_rows_share_memory_is_refused(cpu_path):
+    """An expanded prefix (one row seen T times) cannot take the delta add; the C kernel
+    declines it and torch's error names the problem, as on the torch path."""
+    args = make_args(8, 64, 5, 4, 4, torch.float32, delta=True, onorm=False)
+    args[0] = args[0][:1].expand(8, 64)
+    with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
+        OPS.attn_res(*args)
+
+
+@pytest.mark.parametrize("cpu_path", ["c", "torch"], indirect=True)
 def test_autograd_sees_the_ops_in_place_updates(cpu_path):
     """The op writes ``prefix`` (delta) and ``blocks`` (block write) in place: their version
     counters move, so a value autograd saved before the call is refused, not misused."""
