@@ -60,13 +60,17 @@ def _cheap(self, x):
     return x * torch.sigmoid(x)
 
 
+def wiring_only(model: K3Model) -> K3Model:
+    """``model`` with every sublayer (attention, MLP) an elementwise op: the wiring alone."""
+    for layer in model.layers.values():
+        layer.self_attn.forward = _cheap.__get__(layer.self_attn)
+        layer.mlp.forward = _cheap.__get__(layer.mlp)
+    return model
+
+
 def k3(mixing: str, cheap: bool = False) -> K3Model:
     model = K3Model(_k3_config(), mixing=mixing).eval()
-    if cheap:  # the wiring alone: every sublayer an elementwise op
-        for layer in model.layers.values():
-            layer.self_attn.forward = _cheap.__get__(layer.self_attn)
-            layer.mlp.forward = _cheap.__get__(layer.mlp)
-    return model
+    return wiring_only(model) if cheap else model
 
 
 class Site(torch.nn.Module):

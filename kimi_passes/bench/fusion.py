@@ -1,6 +1,6 @@
 """CPU speed of plain-torch AttnRes models under kimi_backend (mixing fused) vs plain Inductor.
 
-Two models whose AttnRes mixing is written in plain PyTorch:
+Models whose AttnRes mixing is written in plain PyTorch:
 
 - ``attn-res``: the third-party ``attn_res.AttnResTransformer`` (Block AttnRes: stacked
   sources, RMSNorm without weight, einsum, softmax(dim=0), einsum); kimi_backend turns
@@ -8,6 +8,7 @@ Two models whose AttnRes mixing is written in plain PyTorch:
 - ``k3``: ``graphs/k3.py``'s ``K3Model(mixing="torch")`` forward step (cat of
   ``bank[:, :n]`` and the prefix, F.rms_norm, einsum, softmax, einsum); kimi_backend turns
   each site into ``kimi.attn_res_mix`` and the taps read it.
+- ``wiring``: the same K3 with every sublayer ``x * sigmoid(x)`` (the mixing dominates);
 - ``site``: one mixing site alone, ``attn_res_torch``'s pure read over ``bank[:, :8]`` and
   a prefix at ``--site-tokens`` x ``--site-hidden`` (the part of the step the pass changes).
 
@@ -71,6 +72,14 @@ def k3_model(args):
     desc = (f"K3Model(mixing='torch') L={cfg.num_layers} S={cfg.attn_res_block_size} "
             f"H={cfg.hidden_size} T={args.tokens}, taps {cfg.aux_layer_ids}")
     return model, (ids,), desc
+
+
+def wiring_model(args):
+    """``k3_model`` with cheap elementwise sublayers: mixing-dominated (bench/decode.py)."""
+    from kimi_passes.bench.decode import wiring_only
+
+    model, inputs, desc = k3_model(args)
+    return wiring_only(model), inputs, desc + ", every sublayer x * sigmoid(x)"
 
 
 def site_model(args):
@@ -172,7 +181,8 @@ def run(name, build, args) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=("attn-res", "k3", "site", "all"), default="all")
+    p.add_argument("--model", choices=("attn-res", "k3", "wiring", "site", "all"),
+                   default="all")
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=8)
@@ -189,7 +199,8 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, CPU, fp32, {torch.get_num_threads()} threads; "
           f"blocked_autorange medians, {args.rounds} interleaved rounds")
-    for name, build in (("attn-res", attn_res_model), ("k3", k3_model), ("site", site_model)):
+    for name, build in (("attn-res", attn_res_model), ("k3", k3_model),
+                        ("wiring", wiring_model), ("site", site_model)):
         if args.model in (name, "all"):
             run(name, build, args)
 
