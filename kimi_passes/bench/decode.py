@@ -42,7 +42,7 @@ import sys
 import torch
 
 from kimi_passes.backend import make_kimi_backend
-from kimi_passes.bench.fusion import first_tensor
+from kimi_passes.bench.fusion import first_tensor, wiring_only
 from kimi_passes.bench.harness import CpuTimer, ratio_summary, summary
 from kimi_passes.graphs.k3 import K3Config, K3Model, attn_res_torch
 
@@ -54,18 +54,6 @@ MODELS = ("k3", "k3-op", "wiring", "site", "attn-res")
 def _k3_config() -> K3Config:
     return K3Config(num_layers=8, hidden_size=512, attn_res_block_size=2, num_heads=8,
                     intermediate_size=1024, vocab_size=1024, aux_layer_ids=(2, 4, 8))
-
-
-def _cheap(self, x):
-    return x * torch.sigmoid(x)
-
-
-def wiring_only(model: K3Model) -> K3Model:
-    """``model`` with every sublayer (attention, MLP) an elementwise op: the wiring alone."""
-    for layer in model.layers.values():
-        layer.self_attn.forward = _cheap.__get__(layer.self_attn)
-        layer.mlp.forward = _cheap.__get__(layer.mlp)
-    return model
 
 
 def k3(mixing: str, cheap: bool = False) -> K3Model:

@@ -74,10 +74,20 @@ def k3_model(args):
     return model, (ids,), desc
 
 
-def wiring_model(args):
-    """``k3_model`` with cheap elementwise sublayers: mixing-dominated (bench/decode.py)."""
-    from kimi_passes.bench.decode import wiring_only
+def _cheap(self, x):
+    return x * torch.sigmoid(x)
 
+
+def wiring_only(model: K3Model) -> K3Model:
+    """``model`` with every sublayer (attention, MLP) an elementwise op: the wiring alone."""
+    for layer in model.layers.values():
+        layer.self_attn.forward = _cheap.__get__(layer.self_attn)
+        layer.mlp.forward = _cheap.__get__(layer.mlp)
+    return model
+
+
+def wiring_model(args):
+    """``k3_model`` with cheap elementwise sublayers: mixing-dominated."""
     model, inputs, desc = k3_model(args)
     return wiring_only(model), inputs, desc + ", every sublayer x * sigmoid(x)"
 
