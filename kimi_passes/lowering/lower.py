@@ -36,12 +36,12 @@ from torch._inductor.pattern_matcher import fwd_only
 from torch.fx import Graph, Node
 
 from kimi_passes.lowering import decompositions as dec
+from kimi_passes.ops.conventions import MUTATED_ARGS as MUTATED
 from kimi_passes.passes.base import KimiGraphPass
 from kimi_passes.passes.fx_toolkit import call_function
 from kimi_passes.taps.consumer import AttnResCall, attn_res_calls
 
 kimi = torch.ops.kimi
-MUTATED = ("prefix", "blocks")
 #: The dtypes the statements are written for (fp32 accumulation); fp64 (the tests'
 #: gradcheck) stays the op.
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
