@@ -15,6 +15,17 @@ The program's ``dw`` row goes to a ``[G, H]`` fp32 buffer that torch sums over `
 deterministic, no atomics. With no weight gradient asked for, ``G = T`` (a row per
 program). Slots ``>= num_blocks`` of ``dblocks`` are zero-filled by torch.
 
+Rows too wide for registers (``launch_config``; the offline build in ``tools/kernel_build.py``
+finds where the row kernel would spill) run ``_mix_bwd_chunked_kernel``: the same two
+passes, over the row in ``CHUNK``-wide pieces. Pass 1 goes source by source, each source's
+three row sums chunk by chunk; the per-source scalars (logit, rsqrt, ``<g, v>``) live in
+``[BLOCK_S]`` register vectors, as in the chunked forward, so the softmax is exact, not
+online. Pass 2 goes chunk by chunk and, inside a chunk, source by source: ``g`` and ``w``
+are loaded once per chunk, each source once, and the chunk's ``dw`` is added to the
+program's fp32 row of the ``[G, H]`` buffer (zero-filled; each element is read and written
+by the thread that owns it, in the same chunk layout every row). So a source is read twice,
+as in the row kernel, and only a chunk is live.
+
 Mode: like the forward kernel, the kernel is built in the mode ``triton.language`` was
 imported in (interpreter on CPU under ``TRITON_INTERPRET=1``, compiled on a GPU). Dtypes:
 the forward's (fp32, bf16, fp16; ``validate_mix`` refuses others); math is fp32.
@@ -27,6 +38,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
+from .triton_chunked import jit
 from .validate import AttnResArgumentError, check_grad, validate_mix
 
 INTERPRETED = not isinstance(tl.sum, JITFunction)
@@ -126,14 +138,147 @@ def _mix_bwd_kernel(
         tl.store(dw_ptr + pid * H + cols, dw_acc, mask=hmask)
 
 
-with triton.knobs.runtime.scope():
-    triton.knobs.runtime.interpret = INTERPRETED
-    _KERNEL = triton.jit(_mix_bwd_kernel)
+def _mix_bwd_chunked_kernel(
+    g_ptr,
+    prefix_ptr,
+    blocks_ptr,
+    norm_w_ptr,
+    qk_w_ptr,
+    dprefix_ptr,
+    dblocks_ptr,
+    dw_ptr,
+    T,
+    H,
+    num_blocks,
+    stride_g,
+    stride_p,
+    stride_bt,
+    stride_bn,
+    stride_dp,
+    stride_dbt,
+    stride_dbn,
+    eps,
+    WRITE_DPREFIX: tl.constexpr,
+    WRITE_DBLOCKS: tl.constexpr,
+    NEED_DW: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    lanes = tl.arange(0, CHUNK)
+    sidx = tl.arange(0, BLOCK_S)
+    slot = tl.cast(stride_bn, tl.int64)
+    dslot = tl.cast(stride_dbn, tl.int64)
+    dw_row = dw_ptr + tl.cast(pid, tl.int64) * H
+    n_src = num_blocks + 1  # source j < num_blocks is blocks[row, j]; j == num_blocks the prefix
+    for row32 in range(pid, T, n_prog):
+        row = tl.cast(row32, tl.int64)
+        g_row = g_ptr + row * stride_g
+        b_row = blocks_ptr + row * stride_bt
+        p_row = prefix_ptr + row * stride_p
+        # Pass 1: each source's logit, rsqrt and <g, v>, its row sums taken chunk by chunk.
+        logits = tl.zeros((BLOCK_S,), dtype=tl.float32)
+        rs = tl.zeros((BLOCK_S,), dtype=tl.float32)
+        gvs = tl.zeros((BLOCK_S,), dtype=tl.float32)
+        m = tl.full((), float("-inf"), tl.float32)
+        for j in range(0, n_src):
+            lim_b = tl.where(j < num_blocks, H, 0)
+            lim_p = tl.where(j == num_blocks, H, 0)
+            dot = tl.full((), 0.0, tl.float32)
+            ssq = tl.full((), 0.0, tl.float32)
+            gv = tl.full((), 0.0, tl.float32)
+            for c in range(0, H, CHUNK):
+                cols = c + lanes
+                hmask = cols < H
+                v = tl.load(b_row + j * slot + cols, mask=cols < lim_b, other=0.0)
+                v = v.to(tl.float32)
+                v += tl.load(p_row + cols, mask=cols < lim_p, other=0.0).to(tl.float32)
+                w = tl.load(norm_w_ptr + cols, mask=hmask, other=0.0).to(tl.float32)
+                w = w * tl.load(qk_w_ptr + cols, mask=hmask, other=0.0).to(tl.float32)
+                g = tl.load(g_row + cols, mask=hmask, other=0.0).to(tl.float32)
+                dot += tl.sum(v * w, axis=0)
+                ssq += tl.sum(v * v, axis=0)
+                gv += tl.sum(v * g, axis=0)
+            r = tl.rsqrt(ssq / H + eps)
+            logit = dot * r
+            logits = tl.where(sidx == j, logit, logits)
+            rs = tl.where(sidx == j, r, rs)
+            gvs = tl.where(sidx == j, gv, gvs)
+            m = tl.maximum(m, logit, propagate_nan=tl.PropagateNan.ALL)
+        e = tl.where(sidx < n_src, tl.exp(logits - m), 0.0)
+        p = e * (1.0 / tl.sum(e, axis=0))
+        g_out = tl.sum(p * gvs, axis=0)
+        a = p * (gvs - g_out) * rs
+        cf = a * logits * rs / H
+        # Pass 2: chunk by chunk, every source's dv_j = p_j g + a_j w - c_j v_j and the
+        # chunk's dw = sum_j a_j v_j.
+        for c in range(0, H, CHUNK):
+            cols = c + lanes
+            hmask = cols < H
+            g = tl.load(g_row + cols, mask=hmask, other=0.0).to(tl.float32)
+            w = tl.load(norm_w_ptr + cols, mask=hmask, other=0.0).to(tl.float32)
+            w = w * tl.load(qk_w_ptr + cols, mask=hmask, other=0.0).to(tl.float32)
+            dw_c = tl.zeros((CHUNK,), dtype=tl.float32)
+            for j in range(0, n_src):
+                lim_b = tl.where(j < num_blocks, H, 0)
+                lim_p = tl.where(j == num_blocks, H, 0)
+                v = tl.load(b_row + j * slot + cols, mask=cols < lim_b, other=0.0)
+                v = v.to(tl.float32)
+                v += tl.load(p_row + cols, mask=cols < lim_p, other=0.0).to(tl.float32)
+                a_j = tl.sum(tl.where(sidx == j, a, 0.0), axis=0)
+                if NEED_DW:
+                    dw_c += a_j * v
+                if WRITE_DPREFIX or WRITE_DBLOCKS:
+                    p_j = tl.sum(tl.where(sidx == j, p, 0.0), axis=0)
+                    c_j = tl.sum(tl.where(sidx == j, cf, 0.0), axis=0)
+                    dv = p_j * g + a_j * w - c_j * v
+                    if WRITE_DBLOCKS:
+                        tl.store(dblocks_ptr + row * stride_dbt + j * dslot + cols,
+                                 dv.to(dblocks_ptr.dtype.element_ty), mask=cols < lim_b)
+                    if WRITE_DPREFIX:
+                        tl.store(dprefix_ptr + row * stride_dp + cols,
+                                 dv.to(dprefix_ptr.dtype.element_ty), mask=cols < lim_p)
+            if NEED_DW:
+                acc = tl.load(dw_row + cols, mask=hmask, other=0.0)
+                tl.store(dw_row + cols, acc + dw_c, mask=hmask)
+
+
+_KERNEL = jit(_mix_bwd_kernel)
+CHUNKED_KERNEL = jit(_mix_bwd_chunked_kernel)
+
+
+# Warps of the row kernel by BLOCK_H, chosen on the offline build (tools/kernel_build.py,
+# every gradient set, dtype and target): the row kernel keeps g, w and the dw accumulator
+# live next to a source row, more than the forward, and at the forward's 16 elements a thread
+# ptxas spilled at 2048 and 4096. 8 elements a thread up to 2048; 4 at 4096 (16 warps spilled
+# 16 B with triton 3.9's ptxas, 32 do not); 16 at 8192 (32 warps would cap a thread at 64
+# registers and spill; 16 warps leave 128).
+_WARPS = {4096: 32, 8192: 16}
 
 
 def _num_warps(block_h: int) -> int:
-    """16 elements per thread, 4 to 32 warps (as the forward kernel)."""
-    return min(32, max(4, block_h // 512))
+    return _WARPS.get(block_h, min(8, max(4, block_h // 256)))
+
+
+# Widest BLOCK_H the row kernel holds in registers without spilling, by the offline build:
+# as the forward, 8192 for 16-byte-aligned rows (vector loads) and 4096 for others (an
+# address and a predicate per element). Wider rows run the chunked kernel, 8 elements per
+# thread (CHUNK = 2048 spilled at H = 8190 with unaligned loads).
+MAX_ROW_ALIGNED = 8192
+MAX_ROW_UNALIGNED = 4096
+CHUNK = 1024
+CHUNK_WARPS = 4
+
+
+def launch_config(H: int, dtype: torch.dtype, aligned: bool = True, slots: int = 8):
+    """``(kernel, constexprs and num_warps)`` of a backward launch at row width ``H``
+    (``aligned`` and ``slots`` as in ``triton_kernels.launch_config``)."""
+    block_h = triton.next_power_of_2(H)
+    if block_h > (MAX_ROW_ALIGNED if aligned else MAX_ROW_UNALIGNED):
+        return CHUNKED_KERNEL, dict(CHUNK=CHUNK, BLOCK_S=triton.next_power_of_2(slots + 1),
+                                    num_warps=CHUNK_WARPS)
+    return _KERNEL, dict(BLOCK_H=block_h, num_warps=_num_warps(block_h))
 
 
 def attn_res_mix_backward_triton(grad, prefix, blocks, norm_weight, qk_weight, num_blocks, eps,
@@ -163,14 +308,11 @@ def attn_res_mix_backward_triton(grad, prefix, blocks, norm_weight, qk_weight, n
         dw = torch.zeros(H, dtype=torch.float32, device=prefix.device)
     if T > 0 and H > 0 and (need_prefix or need_blocks or need_weights):
         n_prog = min(T, _DW_PROGRAMS) if need_weights else T
-        partial = (torch.empty((n_prog, H), dtype=torch.float32, device=prefix.device)
-                   if need_weights else None)
-        block_h = triton.next_power_of_2(H)
         args = (
             grad, prefix, blocks, norm_weight, qk_weight,
             dprefix if dprefix is not None else prefix,
             dblocks if dblocks is not None else blocks,
-            partial if partial is not None else prefix,
+            prefix,  # dw_ptr: the partial-sum buffer, below, when a weight gradient is asked for
             T, H, num_blocks,
             grad.stride(0), prefix.stride(0), blocks.stride(0), blocks.stride(1),
             dprefix.stride(0) if dprefix is not None else 0,
@@ -178,13 +320,23 @@ def attn_res_mix_backward_triton(grad, prefix, blocks, norm_weight, qk_weight, n
             dblocks.stride(1) if dblocks is not None else 0,
             float(eps),
         )
+        # Triton specialises a pointer on 16-byte alignment and an int on divisibility by 16.
+        aligned = all(t.data_ptr() % 16 == 0 for t in args[:7]) and all(
+            n % 16 == 0 for n in (H, *args[11:18]))
+        kernel, cfg = launch_config(H, prefix.dtype, aligned, blocks.shape[1])
+        # The chunked kernel adds each row's dw to its program's row: it starts at zero.
+        partial = None
+        if need_weights:
+            alloc = torch.zeros if kernel is CHUNKED_KERNEL else torch.empty
+            partial = alloc((n_prog, H), dtype=torch.float32, device=prefix.device)
+            args = (*args[:7], partial, *args[8:])
         flags = dict(WRITE_DPREFIX=need_prefix, WRITE_DBLOCKS=need_blocks,
-                     NEED_DW=need_weights, BLOCK_H=block_h, num_warps=_num_warps(block_h))
+                     NEED_DW=need_weights, **cfg)
         if INTERPRETED:
-            _KERNEL[(n_prog,)](*args, **flags)
+            kernel[(n_prog,)](*args, **flags)
         else:
             with torch.cuda.device(prefix.device):
-                _KERNEL[(n_prog,)](*args, **flags)
+                kernel[(n_prog,)](*args, **flags)
         if partial is not None:
             torch.sum(partial, dim=0, out=dw)
     return tuple(empty.clone() if t is None else t for t in (dprefix, dblocks, dw))

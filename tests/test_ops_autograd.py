@@ -182,12 +182,21 @@ TRITON_CASES = [
 ]
 
 
+@pytest.mark.parametrize("route", ["row", "chunked"])
 @pytest.mark.parametrize("case", TRITON_CASES, ids=str)
 @pytest.mark.parametrize("needs", [(True, True, True), (True, False, False),
                                    (False, True, False), (False, False, True)], ids=str)
-def test_triton_backward_matches_cpu(monkeypatch, case, needs):
+def test_triton_backward_matches_cpu(monkeypatch, case, needs, route):
+    """Both kernels: ``chunked`` routes every width to the chunked kernel, with chunks
+    narrower than the rows (H = 100: four chunks, the last partial; H = 16: one)."""
     T, H, NB, nb, dtype, pad = case
     monkeypatch.setattr(tb, "_DW_PROGRAMS", 2)  # several rows per program
+    if route == "chunked":
+        monkeypatch.setattr(tb, "MAX_ROW_ALIGNED", 8)
+        monkeypatch.setattr(tb, "MAX_ROW_UNALIGNED", 8)
+        monkeypatch.setattr(tb, "CHUNK", 32)
+    want_kernel = tb.CHUNKED_KERNEL if route == "chunked" else tb._KERNEL
+    assert tb.launch_config(H, dtype, H % 16 == 0, NB)[0] is want_kernel
     prefix, blocks, nw, qk, grad = mix_inputs(T, H, NB + pad, dtype, seed=3)
     blocks = blocks[:, :NB]  # a strided view: row stride (NB + pad) * H
     got = tb.attn_res_mix_backward_triton(grad, prefix, blocks, nw, qk, nb, EPS, *needs)
