@@ -79,7 +79,10 @@ def _attn_res_chunked_kernel(
     BF16_SOFT_RTNE: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    LAUNCH_PDL: tl.constexpr = False,
 ):
+    if LAUNCH_PDL:  # as the row kernel (triton_kernels.pdl_launch)
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     slot_stride = tl.cast(stride_bn, tl.int64)
     lanes = tl.arange(0, CHUNK)
@@ -135,6 +138,8 @@ def _attn_res_chunked_kernel(
     inv_l = 1.0 / tl.sum(p, axis=0)
 
     # Pass 3: the mixture, chunk by chunk, over every source.
+    if LAUNCH_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     tl.debug_barrier()
     ms = tl.full((), 0.0, tl.float32)
     for c in range(0, H, CHUNK):

@@ -52,6 +52,8 @@ already round-to-nearest-even). That keeps the in-place prefix update bit-exact.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -89,7 +91,12 @@ def _attn_res_kernel(
     BF16_SOFT_RTNE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     PREFETCH: tl.constexpr,
+    LAUNCH_PDL: tl.constexpr = False,
 ):
+    if LAUNCH_PDL:
+        # Programmatic dependent launch: this grid may start before the previous kernel
+        # ends; nothing is read before the previous kernel's writes are visible.
+        tl.extra.cuda.gdc_wait()
     # 64-bit offsets: T * row stride and slot * slot stride can pass 2**31 elements.
     row = tl.program_id(0).to(tl.int64)
     slot_stride = tl.cast(stride_bn, tl.int64)
@@ -160,6 +167,10 @@ def _attn_res_kernel(
         m = m_new
 
     mixed = acc * (1.0 / l)
+    if LAUNCH_PDL:
+        # Every source is read: the next kernel may start its prologue (its own
+        # gdc_wait still waits for this grid to finish and its stores to land).
+        tl.extra.cuda.gdc_launch_dependents()
     if WRITE_MIX:
         y = mixed
         if BF16_SOFT_RTNE:
@@ -194,6 +205,19 @@ def _num_warps(block_h: int) -> int:
 MAX_ROW_ALIGNED = 8192
 MAX_ROW_UNALIGNED = 4096
 CHUNK = 2048
+
+
+def pdl_launch(device: torch.device) -> bool:
+    """Programmatic dependent launch (PDL) for the forward kernels: opt-in with
+    ``KIMI_PASSES_PDL=1``, on CUDA devices of compute capability 9.0 or newer (Hopper,
+    Blackwell), compiled kernels only. Off by default until a GPU run has timed it; HIP and
+    the interpreter never take it. The kernel waits (``griddepcontrol.wait``) before its
+    first load, so an early start cannot read what the previous kernel has not written."""
+    if INTERPRETED or device.type != "cuda" or os.environ.get("KIMI_PASSES_PDL", "0") != "1":
+        return False
+    if torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def launch_config(H: int, dtype: torch.dtype, aligned: bool = True, slots: int = 8):
@@ -262,6 +286,9 @@ def _launch(a: AttnResArgs, out, mixed) -> None:
     aligned = all(t.data_ptr() % 16 == 0 for t in args[:8]) and all(
         n % 16 == 0 for n in (H, *args[11:17]))
     kernel, cfg = launch_config(H, prefix.dtype, aligned, a.blocks.shape[1])
+    pdl = pdl_launch(prefix.device)
+    if pdl:
+        cfg = dict(cfg, LAUNCH_PDL=True, launch_pdl=True)  # the constexpr, the launch attribute
     flags = dict(
         HAS_DELTA=delta is not None,
         DO_WRITE=do_write,

@@ -38,6 +38,16 @@ def _compiled_env() -> dict:
     return env
 
 
+def compiled_run(code: str, *args: str) -> str:
+    """Run ``code`` in a compiled-mode interpreter with ``kb`` (tools/kernel_build.py) and
+    ``sys`` imported and ``args`` in ``sys.argv[1:]``; its last line of output."""
+    preamble = f"import sys; sys.path.insert(0, {str(TOOL.parent)!r}); import kernel_build as kb\n"
+    proc = subprocess.run([sys.executable, "-c", preamble + code, *args], env=_compiled_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip().splitlines()[-1]
+
+
 @pytest.fixture(scope="module")
 def ci_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("kernel_build") / "ci.json"
@@ -49,18 +59,32 @@ def ci_results(tmp_path_factory):
     return proc, json.loads(out.read_text())
 
 
+# The backward's row kernel at BLOCK_H = 2048 builds with one 8-byte spill (a 64-bit value
+# stored once in the prologue and reloaded once, at 48 registers of 255) with triton 3.9.0's
+# ptxas at every warp count tried (4, 8, 16, 32), and spill-free at 8 warps with 3.8.0's
+# (CI's pin, constraints.txt) and 3.6.0's (the GPU image's): the whole matrix, 864 builds,
+# has 0 spills with those two. So the backward's gate is those compilers; the forward's
+# holds on all three.
+BACKWARD_GATE_TRITON = ("3.6.0", "3.8.0")
+
+
 def test_every_ci_build_is_spill_free(ci_results):
     proc, results = ci_results
     assert {(r["variant"], r["dtype"], r["H"], r["sm"]) for r in results} == set(
         kb.matrix(ci=True)), "the tool did not build the whole CI matrix"
-    spills = [r for r in results if r["spills"]]
+    gated = [r for r in results
+             if not kb.is_backward(r["variant"]) or _triton_version() in BACKWARD_GATE_TRITON]
+    spills = [r for r in gated if r["spills"]]
     assert not spills, "builds that spill (stack or local memory):\n" + kb.table(spills)
-    assert proc.returncode == 0, proc.stdout[-3000:]
+    # The tool exits 1 on any spill, gated or not.
+    assert proc.returncode == int(any(r["spills"] for r in results)), proc.stdout[-3000:]
 
 
 def test_bytes_in_flight_per_sm_at_k3_widths(ci_results):
     _, results = ci_results
-    for r in results:
+    for r in results:  # the forward (the backward's rows are the training step's)
+        if kb.is_backward(r["variant"]):
+            continue
         if r["sm"] == 90 and r["dtype"] == "bfloat16" and r["H"] in (4096, 7168):
             assert r["in_flight_kb"] >= 32, kb.table([r])
             assert r["kernel"] == "_attn_res_kernel", "K3 widths must take the one-read kernel"
@@ -82,21 +106,42 @@ def test_the_row_kernel_spills_where_launch_config_leaves_it(H, variant, dtype):
     """The row kernel past its limits spills (with triton 3.9.0's ptxas), and the build sees
     it: that is why wider rows run the chunked kernel (launch_config), and what the CI
     check would catch."""
-    code = (
-        "import sys, torch, triton; sys.path.insert(0, sys.argv[1]); import kernel_build as kb; "
-        "tk = kb._kernel_module(); H = int(sys.argv[2]); "
+    stack, spills = compiled_run(
+        "import torch, triton; tk = kb._kernel_module(); H = int(sys.argv[1]); "
         "cfg = dict(BLOCK_H=triton.next_power_of_2(H), PREFETCH=2, "
         "num_warps=tk._num_warps(triton.next_power_of_2(H))); "
-        "assert tk.launch_config(H, getattr(torch, sys.argv[4]), H % 16 == 0)[0] "
+        "assert tk.launch_config(H, getattr(torch, sys.argv[3]), H % 16 == 0)[0] "
         "is tk.CHUNKED_KERNEL; "
-        "r = kb.build_config(tk._KERNEL, cfg, sys.argv[3], sys.argv[4], H, 90); "
-        "print(r['stack'], r['spills'])"
-    )
-    proc = subprocess.run([sys.executable, "-c", code, str(TOOL.parent), str(H), variant, dtype],
-                          env=_compiled_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    stack, spills = proc.stdout.split()
+        "r = kb.build_config(tk._KERNEL, cfg, sys.argv[2], sys.argv[3], H, 90); "
+        "print(r['stack'], r['spills'])", str(H), variant, dtype).split()
     assert int(stack) > 0 and spills == "True"
+
+
+# The backward row kernel at BLOCK_H = 8192 with unaligned rows: 80-208 bytes of stack with
+# triton 3.8.0's ptxas (measured here) and 3.9.0's (144-208 B, same launch), every
+# gradient set but dprefix/dblocks alone; so unaligned rows above 4096 run the chunked one.
+BACKWARD_SPILL_FACTS_TRITON = ("3.8.0", "3.9.0")
+
+
+@pytest.mark.skipif(_triton_version() not in BACKWARD_SPILL_FACTS_TRITON,
+                    reason=f"where ptxas spills was measured with triton "
+                           f"{' and '.join(BACKWARD_SPILL_FACTS_TRITON)}")
+def test_the_backward_row_kernel_spills_where_launch_config_leaves_it():
+    stack, spills = compiled_run(
+        "tb = kb._kernel_module(backward=True); H, v = 8190, 'bwd:dprefix+dblocks+dw'; "
+        "assert kb.launch(v, 'bfloat16', H)[0] is tb.CHUNKED_KERNEL; "
+        "cfg = dict(BLOCK_H=8192, num_warps=tb._num_warps(8192)); "
+        "r = kb.build_config(tb._KERNEL, cfg, v, 'bfloat16', H, 90); "
+        "print(r['stack'], r['spills'])").split()
+    assert int(stack) > 0 and spills == "True"
+
+
+def test_the_ci_subset_builds_every_backward_variant_wherever_the_forward_is_built():
+    forward = {(d, H, cc) for v, d, H, cc in kb.matrix(ci=True) if not kb.is_backward(v)}
+    backward = {(v, d, H, cc) for v, d, H, cc in kb.matrix(ci=True) if kb.is_backward(v)}
+    every = {n for n, _ in kb.variants() if kb.is_backward(n)}
+    assert len(every) == 7  # every non-empty set of the three gradients
+    assert backward == {(v, d, H, cc) for v in every for d, H, cc in forward}
 
 
 def test_the_tool_refuses_the_interpreter():
@@ -116,3 +161,17 @@ def test_the_tool_refuses_the_interpreter():
 def test_occupancy_model(regs, threads, expected):
     assert kb.occupancy(regs, threads, 0) == expected
 
+
+def test_pdl_builds_show_griddepcontrol_and_change_nothing_else():
+    """The opt-in programmatic dependent launch (ops/triton_kernels.py ``pdl_launch``): the
+    sm_90 build waits and triggers (PTX ``griddepcontrol``, SASS ``ACQBULK`` / ``PREEXIT``)
+    with the registers and stack of the default build, which has none of it."""
+    on, off = json.loads(compiled_run(
+        "import json; v = 'capture+delta+write+norm'; fn, cfg = kb.launch(v, 'bfloat16', 7168); "
+        "on = kb.build_config(fn, dict(cfg, LAUNCH_PDL=True), v, 'bfloat16', 7168, 90); "
+        "off = kb.build_config(fn, cfg, v, 'bfloat16', 7168, 90); "
+        "print(json.dumps([on, off]))"))
+    assert on["pdl"] == {"ptx": ["griddepcontrol.launch_dependents", "griddepcontrol.wait"],
+                         "sass": ["ACQBULK", "PREEXIT"]}, on["pdl"]
+    assert "pdl" not in off
+    assert (on["regs"], on["stack"]) == (off["regs"], off["stack"])

@@ -400,3 +400,10 @@ def test_wide_unaligned_rows_take_the_chunked_kernel():
     assert tk.launch_config(8192, torch.float32)[0] is tk._KERNEL
     assert tk.launch_config(8190, torch.bfloat16, aligned=False)[0] is tk.CHUNKED_KERNEL
     assert tk.launch_config(16384, torch.bfloat16)[0] is tk.CHUNKED_KERNEL
+
+
+def test_pdl_is_opt_in_and_never_on_cpu(monkeypatch):
+    monkeypatch.setenv("KIMI_PASSES_PDL", "1")
+    assert not tk.pdl_launch(torch.device("cpu"))  # the interpreter, CPU tensors
+    monkeypatch.setenv("KIMI_PASSES_PDL", "0")
+    assert not tk.pdl_launch(torch.device("cpu"))

@@ -9,9 +9,13 @@ matrix has one width, 8190, that is not: Triton then loads element by element). 
 --dump-resource-usage`` reads the registers per thread, the stack frame and local memory of
 the cubin; a non-zero stack or local size is a spill (the kernels have no local arrays).
 
-Run (the whole matrix, 612 builds, about 4 minutes on 2 cores; ``--ci`` is the subset that
-tests/test_kernel_build.py builds: every variant at H = 7168 and 8192, two elsewhere; 252
-builds, 150 of them distinct, about 80 s on 2 cores):
+The backward (``ops/triton_backward.py``, its own ``launch_config``) is built the same way,
+one variant per non-empty set of gradients (``bwd:dprefix+dblocks+dw`` ... ``bwd:dw``).
+
+Run (the whole matrix, 864 builds, 720 distinct, about 140 s on 2 idle cores; ``--ci`` is the
+subset that tests/test_kernel_build.py builds: every variant at H = 7168 and 8192, and
+elsewhere every backward variant and two of the forward's; 504 builds, 360 of them distinct,
+about 55 s on 2 idle cores):
 
     python tools/kernel_build.py [--ci] [--jobs 2] [--json out.json]
 
@@ -83,7 +87,21 @@ def variants() -> list[tuple[str, dict]]:
                                            WRITE_MIX=write_mix)))
     out.append(("mix", dict(HAS_DELTA=False, DO_WRITE=False, HAS_OUT_NORM=False,
                             WRITE_OUT=False, WRITE_MIX=True)))
+    # attn_res_mix_backward (ops/triton_backward.py): every non-empty set of gradients.
+    for dprefix in (True, False):
+        for dblocks in (True, False):
+            for dw in (True, False):
+                if dprefix or dblocks or dw:
+                    name = "bwd:" + "+".join(n for n, on in (("dprefix", dprefix),
+                                                             ("dblocks", dblocks),
+                                                             ("dw", dw)) if on)
+                    out.append((name, dict(WRITE_DPREFIX=dprefix, WRITE_DBLOCKS=dblocks,
+                                           NEED_DW=dw)))
     return out
+
+
+def is_backward(variant: str) -> bool:
+    return variant.startswith("bwd:")
 
 
 # CI subset. Registers are not monotone in the flags (ptxas: in the full matrix the variant
@@ -92,21 +110,34 @@ def variants() -> list[tuple[str, dict]]:
 # and 8192 share that build). Elsewhere the cap is 255 (the row kernel at BLOCK_H <= 4096,
 # the chunked kernel's 128 threads) against at most 128 used in the full matrix, and CI
 # builds the superset variant (every load and store, the output norm) and the pure mixture.
+# The backward is built in every variant at every width: ptxas spilled it below that cap
+# (at 16 elements a thread: `bwd:dw` at 2048 and `bwd:dblocks` at 4096, fp32, sm_100, with
+# 96 and 80 registers), so no variant stands for the others.
 CI_VARIANTS = ("capture+delta+write+norm", "mix")
 CI_ALL_VARIANTS_AT = (7168, 8192)
 
 
-def _kernel_module():
+def _kernel_module(backward: bool = False):
+    """The module whose ``launch_config`` picks the kernel: the forward's or the backward's."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit(
             "kernel_build: TRITON_INTERPRET is set, so triton.jit builds interpreter kernels "
             "that cannot be compiled; run with TRITON_INTERPRET unset (or 0)")
-    from kimi_passes.ops import triton_kernels as tk
+    from kimi_passes.ops import triton_backward, triton_kernels
 
+    tk = triton_backward if backward else triton_kernels
     if tk.INTERPRETED:
         raise SystemExit("kernel_build: the kernel was built for the interpreter; unset "
                          "TRITON_INTERPRET before triton is imported")
     return tk
+
+
+def launch(variant: str, dtype: str, H: int):
+    """``(kernel, constexprs and num_warps)`` the op launches for this variant at width H."""
+    import torch
+
+    tk = _kernel_module(is_backward(variant))
+    return tk.launch_config(H, getattr(torch, dtype), aligned=H % 16 == 0, slots=SLOTS)
 
 
 def _cuobjdump() -> str:
@@ -117,6 +148,15 @@ def _cuobjdump() -> str:
         raise SystemExit(f"kernel_build: {path} not found; this Triton wheel carries no "
                          f"NVIDIA toolchain (install the Linux x86-64 wheel)")
     return str(path)
+
+
+def sass(cubin: bytes) -> str:
+    """The cubin's SASS listing (cuobjdump -sass)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([_cuobjdump(), "-sass", f.name], check=True,
+                              capture_output=True, text=True).stdout
 
 
 def resource_usage(cubin: bytes) -> dict:
@@ -134,10 +174,7 @@ def resource_usage(cubin: bytes) -> dict:
 
 def build(variant: str, dtype: str, H: int, cc: int) -> dict:
     """Compile one variant for ``sm_<cc>`` exactly as the op launches it at width H."""
-    import torch
-
-    tk = _kernel_module()
-    fn, cfg = tk.launch_config(H, getattr(torch, dtype), aligned=H % 16 == 0, slots=SLOTS)
+    fn, cfg = launch(variant, dtype, H)
     return build_config(fn, cfg, variant, dtype, H, cc)
 
 
@@ -154,12 +191,14 @@ def build_config(fn, cfg: dict, variant: str, dtype: str, H: int, cc: int) -> di
     aligned = [["tt.divisibility", 16]]
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
-        if name.endswith("_ptr"):
+        if name == "dw_ptr":  # the backward's fp32 weight-gradient rows
+            signature[name], attrs[(i,)] = "*fp32", aligned
+        elif name.endswith("_ptr"):
             signature[name], attrs[(i,)] = ptr, aligned
         elif name in ("eps", "out_eps"):
             signature[name] = "fp32"
-        elif name in ("num_blocks", "skip_idx"):
-            signature[name] = "i32"  # small, not divisible by 16 at K3 shapes
+        elif name in ("num_blocks", "skip_idx", "T"):
+            signature[name] = "i32"  # small or any count: not divisible by 16 in general
         elif name == "H" or name.startswith("stride_"):
             # Contiguous rows: strides are multiples of H, so divisible by 16 when H is.
             signature[name] = "i32"
@@ -167,7 +206,11 @@ def build_config(fn, cfg: dict, variant: str, dtype: str, H: int, cc: int) -> di
                 attrs[(i,)] = aligned
         else:
             signature[name] = "constexpr"
-    constexprs = dict(flags, BF16_SOFT_RTNE=False, **cfg)
+    constexprs = dict(flags, **cfg)
+    if "BF16_SOFT_RTNE" in fn.arg_names:  # the forward's interpreter-only rounding
+        constexprs["BF16_SOFT_RTNE"] = False
+    if "LAUNCH_PDL" in fn.arg_names:  # opt-in (triton_kernels.pdl_launch): off unless asked
+        constexprs.setdefault("LAUNCH_PDL", False)
     missing = [n for n, t in signature.items() if t == "constexpr" and n not in constexprs]
     if missing:
         raise RuntimeError(f"kernel_build: no value for constexpr(s) {missing}; update "
@@ -180,6 +223,10 @@ def build_config(fn, cfg: dict, variant: str, dtype: str, H: int, cc: int) -> di
                             options=dict(num_warps=num_warps))
     seconds = time.perf_counter() - t0
     use = resource_usage(kernel.asm["cubin"])
+    pdl = None
+    if constexprs.get("LAUNCH_PDL"):  # what programmatic dependent launch compiles to
+        pdl = {"ptx": sorted(set(re.findall(r"griddepcontrol\.\w+", kernel.asm["ptx"]))),
+               "sass": sorted(set(re.findall(r"\b(ACQBULK|PREEXIT)\b", sass(kernel.asm["cubin"]))))}
     rows = cfg.get("ROWS", 1)
     resident = occupancy(use["regs"], 32 * num_warps, use["shared"])
     prefetch = cfg.get("PREFETCH", 1)  # the chunked kernel: one chunk, reduced as it lands
@@ -187,7 +234,8 @@ def build_config(fn, cfg: dict, variant: str, dtype: str, H: int, cc: int) -> di
     return dict(variant=variant, dtype=dtype, H=H, sm=cc, num_warps=num_warps,
                 kernel=fn.fn.__name__, block=cfg.get("BLOCK_H", cfg.get("CHUNK")), rows=rows,
                 prefetch=prefetch, **use, spills=use["stack"] > 0 or use["local"] > 0,
-                resident=resident, in_flight_kb=in_flight / 1024, seconds=round(seconds, 2))
+                resident=resident, in_flight_kb=in_flight / 1024, seconds=round(seconds, 2),
+                **({"pdl": pdl} if pdl is not None else {}))
 
 
 def occupancy(regs: int, threads: int, shared: int) -> int:
@@ -207,20 +255,19 @@ def _build_star(args):
 
 def matrix(ci: bool) -> list[tuple[str, str, int, int]]:
     every = [n for n, _ in variants()]
-    names = lambda H: CI_VARIANTS if ci and H not in CI_ALL_VARIANTS_AT else every
+    backward = [n for n in every if is_backward(n)]
+    names = (lambda H: every if not ci or H in CI_ALL_VARIANTS_AT
+             else [*CI_VARIANTS, *backward])
     return [(v, d, H, cc) for cc in TARGETS for d in DTYPES for H in WIDTHS for v in names(H)]
 
 
 def run(ci: bool, jobs: int) -> list[dict]:
     """Build the matrix. Widths that launch the same kernel, constexprs and specialisation
     (7168 and 8192: ``H`` is a run-time argument) share one build."""
-    import torch
-
-    tk = _kernel_module()
     todo = matrix(ci)
     keys = []
     for v, d, H, cc in todo:
-        fn, cfg = tk.launch_config(H, getattr(torch, d), aligned=H % 16 == 0, slots=SLOTS)
+        fn, cfg = launch(v, d, H)
         keys.append((v, d, cc, fn.fn.__name__, tuple(sorted(cfg.items())), H % 16 == 0))
     first = {}
     for key, args in zip(keys, todo, strict=True):
@@ -260,14 +307,15 @@ def summary(results: list[dict]) -> str:
     """Per (target, dtype, H): the worst variant's registers, stack, residency, bytes."""
     groups: dict[tuple, list[dict]] = {}
     for r in results:
-        groups.setdefault((r["sm"], r["dtype"], r["H"]), []).append(r)
-    lines = ["| sm | dtype | H | kernel | warps | rows ahead | regs (max) | stack (max) | "
+        op = "backward" if is_backward(r["variant"]) else "forward"
+        groups.setdefault((r["sm"], r["dtype"], r["H"], op), []).append(r)
+    lines = ["| sm | dtype | H | op | kernel | warps | rows ahead | regs (max) | stack (max) | "
              "programs/SM (min) | KB in flight/SM (min) | variants |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for (sm, dtype, H), rs in sorted(groups.items()):
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (sm, dtype, H, op), rs in sorted(groups.items()):
         kind = "chunked" if "chunked" in rs[0]["kernel"] else "row"
         lines.append(
-            f"| {sm} | {dtype} | {H} | {kind} {rs[0]['block']} | {rs[0]['num_warps']} | "
+            f"| {sm} | {dtype} | {H} | {op} | {kind} {rs[0]['block']} | {rs[0]['num_warps']} | "
             f"{rs[0]['prefetch']} | {max(r['regs'] for r in rs)} | "
             f"{max(r['stack'] for r in rs)} | {min(r['resident'] for r in rs)} | "
             f"{min(r['in_flight_kb'] for r in rs):.1f} | {len(rs)} |")
