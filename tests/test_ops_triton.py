@@ -402,6 +402,51 @@ def test_wide_unaligned_rows_take_the_chunked_kernel():
     assert tk.launch_config(16384, torch.bfloat16)[0] is tk.CHUNKED_KERNEL
 
 
+# --- vLLM's K3 kernel, the peer tools/gpu_check.sh times against ---------------------------
+
+
+def _vllm_peer():
+    """tools/vllm_k3_attn_res.py (vendored from vLLM 0.33.0; not part of the package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "tools" / "vllm_k3_attn_res.py"
+    spec = importlib.util.spec_from_file_location("vllm_k3_attn_res", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# (dtype, num_blocks, block_write_idx, delta, output norm): vLLM's source tiles of 4 (nb = 3),
+# one source a tile (nb <= 1), the pure read gpu_check's headline "read" variant times.
+PEER_GRID = [(torch.float32, 3, 2, True, True), (torch.bfloat16, 3, -1, True, True),
+             (torch.float32, 1, 1, True, False), (torch.bfloat16, 0, 0, True, True),
+             (torch.float32, 3, -1, False, False)]
+
+
+@pytest.mark.parametrize("dtype,num_blocks,write_idx,with_delta,with_norm", PEER_GRID,
+                         ids=[f"{_dt(c[0])}-nb{c[1]}-w{c[2]}-d{int(c[3])}-n{int(c[4])}"
+                              for c in PEER_GRID])
+def test_vllm_k3_kernel_agrees_with_the_op(dtype, num_blocks, write_idx, with_delta,
+                                           with_norm):
+    """The benchmark peer computes what ``kimi::attn_res`` computes (output and in-place
+    effects), so gpu_check.sh's timing compares like with like. Both run interpreted."""
+    peer = _vllm_peer()
+    prefix, delta, blocks, nw, qk, onw = _inputs(5, 4, 48, dtype, seed=7)
+    args = [prefix, delta if with_delta else None, blocks, nw, qk, onw if with_norm else None,
+            num_blocks, write_idx, EPS, OUT_EPS]
+    ours = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    theirs = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    got = peer.attn_res(*theirs)
+    want = attn_res_triton(*ours)
+    tol = OP_TOL[dtype]
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    # The in-place effects: the prefix update (one rounding; the interpreter's bf16 casts
+    # differ by one ulp at most) and the block write.
+    torch.testing.assert_close(theirs[0], ours[0], atol=tol, rtol=tol)
+    torch.testing.assert_close(theirs[2], ours[2], atol=tol, rtol=tol)
+
+
 def test_pdl_is_opt_in_and_never_on_cpu(monkeypatch):
     monkeypatch.setenv("KIMI_PASSES_PDL", "1")
     assert not tk.pdl_launch(torch.device("cpu"))  # the interpreter, CPU tensors

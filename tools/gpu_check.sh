@@ -16,7 +16,9 @@
 #      tiny K3 compiled with kimi_backend on CUDA with taps vs ground truth)
 #   3. op benchmark on CUDA at the headline shape (T=8192, H=7168, 8 blocks, bf16; read and
 #      full variants): roofline ratio (target >= 0.9 of a same-bytes device copy), the
-#      Triton path, eager and torch.compile baselines, the PyPI peers flash-attn-res /
+#      Triton path, eager and torch.compile baselines, vLLM 0.33.0's K3 Triton kernel
+#      (vendored: tools/vllm_k3_attn_res.py; checked against the reference first; target
+#      t(vLLM) / t(op) >= 1.0, here and at every T of step 5), the PyPI peers flash-attn-res /
 #      fast-attnres when installed
 #   2b. tools/kernel_build.py --ci with this machine's triton (the CI runs the pinned one):
 #      registers, stack, programs and bytes in flight per SM for sm_90 and sm_100
@@ -25,7 +27,7 @@
 #      inputs of one shape, taps vs the ground truth, no cudagraph skips
 #      (tests/test_cuda.py::test_k3_tiny_cuda_graphs_replay_with_new_inputs)
 #   5. decode-regime sweep: T = 1, 8, 64, 256 at H=7168 nb=8 bf16, the full variant, against
-#      the compiled plain-torch statement and the copy roofline
+#      the compiled plain-torch statement, vLLM's K3 kernel and the copy roofline
 #   5b. whole compiled steps on CUDA: the reference K3 (L=8, H=512) at T = 1, 8, 64 under
 #      kimi_backend against plain Inductor (python -m kimi_passes.bench.decode --device cuda)
 #   6. (if time is left) the tap section on CUDA with a small K3
@@ -134,7 +136,7 @@ step "op bench: the headline shape T=8192 H=7168 nb=8 bf16 (target roof >= 0.9)"
     --out "$RESULTS/op_headline.json" --text "$RESULTS/op_headline.txt"
 step "cuda graphs: tiny K3, kimi_backend, mode=reduce-overhead, 5 replays, taps vs truth" 90 \
     tests cuda_graphs cuda_graphs
-step "op bench: decode sweep T=1,8,64,256 at H=7168 nb=8 bf16 (full) vs compiled, copy" 100 \
+step "op bench: decode sweep T=1,8,64,256 at H=7168 nb=8 bf16 (full) vs compiled, vLLM, copy" 100 \
     bench --only op --T 1 8 64 256 --H 7168 --blocks 8 --dtypes bfloat16 --variants full \
     --out "$RESULTS/op_decode.json" --text "$RESULTS/op_decode.txt"
 step "whole K3 step on CUDA, T=1,8,64: kimi_backend vs plain Inductor" 120 \

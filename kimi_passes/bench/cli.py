@@ -115,7 +115,8 @@ def parse_args(argv):
     ap.add_argument("--variants", nargs="+", choices=VARIANTS)
     ap.add_argument("--no-compiled", action="store_true",
                     help="op: skip the torch.compile baseline")
-    ap.add_argument("--no-peers", action="store_true", help="op: skip the PyPI peer kernels")
+    ap.add_argument("--no-peers", action="store_true",
+                    help="op: skip the peer kernels (vLLM's K3 kernel, the PyPI peers)")
     ap.add_argument("--no-check", action="store_true",
                     help="op: skip the correctness check against the reference")
     ap.add_argument("--rounds", type=int, help="interleaved rounds per measurement")
@@ -217,6 +218,11 @@ def _targets(results, cfg) -> list[dict]:
             out.append(target(f"op {row['variant']}: fraction of copy bandwidth at T=8192 "
                               "H=7168 nb=8 bf16", row["roofline"]["median"],
                               TARGET_ROOFLINE, ">="))
+        peer = row.get("vs_op", {}).get("vllm-k3")
+        if peer is not None:  # vLLM's K3 kernel, the peer to beat at every T
+            out.append(target(f"op {row['variant']}: t(vLLM's K3 kernel) / t(op) at "
+                              f"T={row['T']} H={row['H']} nb={row['nb']} {row['dtype']}",
+                              peer["median"], 1.0, ">="))
     for sec in ("tap", "pass"):
         out += results.get(sec, {}).get("targets", [])
     return out

@@ -6,8 +6,10 @@ by Inductor (``compiled``: ``torch.compile(fn, dynamic=False)``, static shapes, 
 compile per cell) and a memory copy moving the same number of bytes (``copy``:
 ``dst.copy_(src)`` with ``src`` and ``dst`` ``bytes/2`` each, so it reads ``bytes/2`` and
 writes ``bytes/2``). On CUDA also the Triton kernel called directly (``triton``: what
-the op dispatches to, without the dispatcher) and, when importable, the PyPI peers
-``flash-attn-res`` and ``fast-attnres`` on the shapes their kernels accept.
+the op dispatches to, without the dispatcher), ``vllm-k3``: the Triton kernel vLLM 0.33.0
+serves K3's AttnRes with (vendored, from a checkout's ``tools/vllm_k3_attn_res.py``; every
+variant, the same arguments and in-place effects as the op), and, when importable, the
+PyPI peers ``flash-attn-res`` and ``fast-attnres`` on the shapes their kernels accept.
 Variants: ``read`` (no delta, no block write, no output norm: a pure read of the
 pre-norm mixture) and ``full`` (delta, a block write into slot ``nb``, output norm:
 the pre-attention call of a block-write layer).
@@ -21,7 +23,9 @@ faster). Ratios are medians of per-round ratios of interleaved samples.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +35,9 @@ from kimi_passes.bench.harness import fmt_ratio, ratio_summary, rel_err, summary
 VARIANTS = ("read", "full")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EPS = 1e-6
-PEERS = ("flash-attn-res", "fast-attnres")
+PEERS = ("vllm-k3", "flash-attn-res", "fast-attnres")
+# vLLM's K3 kernel, vendored into the checkout's tools/ (a benchmark peer, not packaged).
+VLLM_PEER = Path(__file__).resolve().parents[2] / "tools" / "vllm_k3_attn_res.py"
 
 # Target (docs/design.md section 5).
 TARGET_ROOFLINE = 0.90  # H200 headline shape, fraction of a same-bytes copy
@@ -87,7 +93,8 @@ def _clone_args(args):
 
 
 def _peer_fns(args, variant, dtype, device):
-    """``{peer: fn or reason}``: the peers' kernels computing the ``read`` mixture."""
+    """``{peer: fn or reason}``: vLLM's K3 kernel (every variant) and the PyPI peers' kernels
+    (the ``read`` mixture)."""
     prefix, _, blocks, norm_weight, qk_weight, _, nb, *_ = args
     T, H = prefix.shape
     found: dict[str, object] = {}
@@ -98,6 +105,15 @@ def _peer_fns(args, variant, dtype, device):
         reasons.append("computes the mixture only (no delta, block write or output norm)")
     if dtype != torch.bfloat16:
         reasons.append("bf16 only")
+    if device.type != "cuda":
+        found["vllm-k3"] = "unsupported: CUDA only"
+    elif not VLLM_PEER.exists():
+        found["vllm-k3"] = f"not found: {VLLM_PEER} (run from a checkout of kimi_passes)"
+    else:
+        spec = importlib.util.spec_from_file_location("vllm_k3_attn_res", VLLM_PEER)
+        peer = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(peer)
+        found["vllm-k3"] = lambda: peer.attn_res(*args)  # the op's signature, all variants
     query = (norm_weight.float() * qk_weight.float())  # RMSNorm weight folded into the query
     try:
         from flash_attn_res import (
@@ -287,6 +303,8 @@ def op_line(row, device) -> str:
          f"{row['gbps']['copy']:9.2f} {fmt_ratio(row['roofline']):>16} "
          f"{fmt_ratio(row['op_vs_eager']):>16} {fmt_ratio(row['op_vs_compiled']):>16}")
     extra = [f"{n}={t[n]['median'] * 1e3:.4f}ms" for n in ("triton", *PEERS) if n in t]
+    if "vllm-k3" in row["vs_op"]:  # the peer to beat: t(vLLM's kernel) / t(op), >= 1.0
+        extra.append(f"op x vllm-k3={fmt_ratio(row['vs_op']['vllm-k3'])}")
     if row.get("host_time_s"):
         extra.append(f"op back-to-back={row['host_time_s']['op'] * 1e3:.4f}ms")
     extra += [f"{n}: {why}" for n, why in row["notes"].items() if n in PEERS
