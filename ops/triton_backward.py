@@ -269,16 +269,21 @@ MAX_ROW_ALIGNED = 8192
 MAX_ROW_UNALIGNED = 4096
 CHUNK = 1024
 CHUNK_WARPS = 4
+MAX_THREADS = 1024  # a program's threads, CUDA and HIP alike
 
 
-def launch_config(H: int, dtype: torch.dtype, aligned: bool = True, slots: int = 8):
+def launch_config(H: int, dtype: torch.dtype, aligned: bool = True, slots: int = 8,
+                  warp_size: int = 32):
     """``(kernel, constexprs and num_warps)`` of a backward launch at row width ``H``
-    (``aligned`` and ``slots`` as in ``triton_kernels.launch_config``)."""
+    (``aligned`` and ``slots`` as in ``triton_kernels.launch_config``). ``warp_size``: 64 on
+    AMD CDNA (MI300), whose wavefronts are twice as wide: a program stays within 1024 threads
+    (32 warps of 64 would be 2048, which no HIP launch accepts)."""
     block_h = triton.next_power_of_2(H)
     if block_h > (MAX_ROW_ALIGNED if aligned else MAX_ROW_UNALIGNED):
         return CHUNKED_KERNEL, dict(CHUNK=CHUNK, BLOCK_S=triton.next_power_of_2(slots + 1),
                                     num_warps=CHUNK_WARPS)
-    return _KERNEL, dict(BLOCK_H=block_h, num_warps=_num_warps(block_h))
+    return _KERNEL, dict(BLOCK_H=block_h,
+                         num_warps=min(_num_warps(block_h), MAX_THREADS // warp_size))
 
 
 def attn_res_mix_backward_triton(grad, prefix, blocks, norm_weight, qk_weight, num_blocks, eps,
@@ -323,7 +328,8 @@ def attn_res_mix_backward_triton(grad, prefix, blocks, norm_weight, qk_weight, n
         # Triton specialises a pointer on 16-byte alignment and an int on divisibility by 16.
         aligned = all(t.data_ptr() % 16 == 0 for t in args[:7]) and all(
             n % 16 == 0 for n in (H, *args[11:18]))
-        kernel, cfg = launch_config(H, prefix.dtype, aligned, blocks.shape[1])
+        kernel, cfg = launch_config(H, prefix.dtype, aligned, blocks.shape[1],
+                                    warp_size=64 if torch.version.hip else 32)
         # The chunked kernel adds each row's dw to its program's row: it starts at zero.
         partial = None
         if need_weights:

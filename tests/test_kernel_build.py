@@ -175,3 +175,21 @@ def test_pdl_builds_show_griddepcontrol_and_change_nothing_else():
                          "sass": ["ACQBULK", "PREEXIT"]}, on["pdl"]
     assert "pdl" not in off
     assert (on["regs"], on["stack"]) == (off["regs"], off["stack"])
+
+
+def test_amd_gfx942_builds_have_no_scratch_and_fit_a_workgroup():
+    """AMD MI300 (gfx942, 64-wide wavefronts), offline: the launches where CUDA's need most
+    registers or threads (the forward's superset at K3's width and chunked, the backward's
+    superset at every kernel and warp setting) build with no scratch and no VGPR/SGPR spill,
+    in at most 1024 threads a workgroup. The whole matrix: BENCHMARKS.md (432 builds)."""
+    cases = [("capture+delta+write+norm", "bfloat16", 7168), ("mix", "float32", 16384),
+             ("bwd:dprefix+dblocks+dw", "bfloat16", 2048),
+             ("bwd:dprefix+dblocks+dw", "float32", 4096),
+             ("bwd:dprefix+dblocks+dw", "float32", 8192),
+             ("bwd:dprefix+dblocks+dw", "bfloat16", 8190)]
+    results = json.loads(compiled_run(
+        "import json; print(json.dumps([kb.build_hip(*c) for c in json.loads(sys.argv[1])]))",
+        json.dumps(cases)))
+    for r in results:
+        assert not r["spills"] and r["threads"] <= 1024, r
+    assert [r["kernel"] for r in results][-1] == "_mix_bwd_chunked_kernel"

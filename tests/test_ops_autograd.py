@@ -211,6 +211,17 @@ def test_triton_backward_matches_cpu(monkeypatch, case, needs, route):
             assert g_.numel() == 0, name
 
 
+@pytest.mark.parametrize("H", [2048, 4096, 8192, 8190, 16384])
+def test_triton_backward_launch_fits_a_program_on_cuda_and_hip(H):
+    """At most 1024 threads a program: 32-wide warps on CUDA, 64-wide wavefronts on AMD
+    CDNA (tools/kernel_build.py builds these launches for gfx942 too)."""
+    for warp_size in (32, 64):
+        _, cfg = tb.launch_config(H, torch.bfloat16, H % 16 == 0, 8, warp_size=warp_size)
+        assert cfg["num_warps"] * warp_size <= 1024, (H, warp_size, cfg)
+    assert tb.launch_config(4096, torch.bfloat16)[1]["num_warps"] == 32  # CUDA: 4 a thread
+    assert tb.launch_config(4096, torch.bfloat16, warp_size=64)[1]["num_warps"] == 16
+
+
 def test_triton_backward_empty_rows():
     prefix, blocks, nw, qk, grad = mix_inputs(0, 16, 2, torch.float32)
     dp, db, dw = tb.attn_res_mix_backward_triton(grad, prefix, blocks, nw, qk, 2, EPS,

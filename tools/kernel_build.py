@@ -132,12 +132,44 @@ def _kernel_module(backward: bool = False):
     return tk
 
 
-def launch(variant: str, dtype: str, H: int):
-    """``(kernel, constexprs and num_warps)`` the op launches for this variant at width H."""
+def launch(variant: str, dtype: str, H: int, warp_size: int = 32):
+    """``(kernel, constexprs and num_warps)`` the op launches for this variant at width H
+    (``warp_size`` 64: on AMD CDNA; the forward's launches fit 1024 threads either way)."""
     import torch
 
     tk = _kernel_module(is_backward(variant))
-    return tk.launch_config(H, getattr(torch, dtype), aligned=H % 16 == 0, slots=SLOTS)
+    extra = {"warp_size": warp_size} if is_backward(variant) else {}
+    return tk.launch_config(H, getattr(torch, dtype), aligned=H % 16 == 0, slots=SLOTS, **extra)
+
+
+HIP_ARCH = "gfx942"  # MI300X / MI300A (CDNA3): 64-wide wavefronts
+
+
+def build_hip(variant: str, dtype: str, H: int, arch: str = HIP_ARCH) -> dict:
+    """Compile one variant for AMD ``arch`` as the op launches it there (64-wide wavefronts)
+    and read the ``amdgcn`` listing's resource lines: VGPRs, SGPRs, their spill counts,
+    scratch (a spill) and the waves per SIMD the compiler reports (``Occupancy``)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    fn, cfg = launch(variant, dtype, H, warp_size=64)
+    src, num_warps, _ = _ast_source(fn, cfg, variant, dtype, H)
+    kernel = triton.compile(src, target=GPUTarget("hip", arch, 64),
+                            options=dict(num_warps=num_warps))
+    asm = kernel.asm["amdgcn"]
+
+    def field(name: str) -> int:
+        m = re.search(rf"{name}:\s*(\d+)", asm)
+        if m is None:
+            raise RuntimeError(f"kernel_build: no {name} in the amdgcn listing of {variant}")
+        return int(m.group(1))
+
+    use = dict(vgprs=field(r"\.vgpr_count"), sgprs=field(r"\.sgpr_count"),
+               vgpr_spills=field(r"\.vgpr_spill_count"), sgpr_spills=field(r"\.sgpr_spill_count"),
+               scratch=field("ScratchSize"), waves_per_simd=field("Occupancy"))
+    return dict(variant=variant, dtype=dtype, H=H, arch=arch, kernel=fn.fn.__name__,
+                num_warps=num_warps, threads=64 * num_warps, **use,
+                spills=bool(use["scratch"] or use["vgpr_spills"] or use["sgpr_spills"]))
 
 
 def _cuobjdump() -> str:
@@ -178,10 +210,9 @@ def build(variant: str, dtype: str, H: int, cc: int) -> dict:
     return build_config(fn, cfg, variant, dtype, H, cc)
 
 
-def build_config(fn, cfg: dict, variant: str, dtype: str, H: int, cc: int) -> dict:
-    """Compile ``fn`` with constexprs and ``num_warps`` ``cfg``; its resources and estimate."""
-    import triton
-    from triton.backends.compiler import GPUTarget
+def _ast_source(fn, cfg: dict, variant: str, dtype: str, H: int):
+    """``(source, num_warps, constexprs)`` of ``fn`` launched with ``cfg`` at width H, with
+    the specialisation such a launch gets."""
     from triton.compiler import ASTSource
 
     cfg = dict(cfg)
@@ -218,6 +249,15 @@ def build_config(fn, cfg: dict, variant: str, dtype: str, H: int, cc: int) -> di
     src = ASTSource(fn=fn, signature=signature,
                     constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
                     attrs=attrs)
+    return src, num_warps, constexprs
+
+
+def build_config(fn, cfg: dict, variant: str, dtype: str, H: int, cc: int) -> dict:
+    """Compile ``fn`` with constexprs and ``num_warps`` ``cfg``; its resources and estimate."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    src, num_warps, constexprs = _ast_source(fn, cfg, variant, dtype, H)
     t0 = time.perf_counter()
     kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32),
                             options=dict(num_warps=num_warps))
