@@ -406,15 +406,11 @@ def test_wide_unaligned_rows_take_the_chunked_kernel():
 
 
 def _vllm_peer():
-    """tools/vllm_k3_attn_res.py (vendored from vLLM 0.33.0; not part of the package)."""
-    import importlib.util
-    from pathlib import Path
+    """tools/vllm_k3_attn_res.py (vendored from vLLM 0.33.0; not part of the package), loaded
+    as the op benchmark loads it."""
+    from kimi_passes.bench.op import _vllm_peer
 
-    path = Path(__file__).resolve().parent.parent / "tools" / "vllm_k3_attn_res.py"
-    spec = importlib.util.spec_from_file_location("vllm_k3_attn_res", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return _vllm_peer()
 
 
 # (dtype, num_blocks, block_write_idx, delta, output norm): vLLM's source tiles of 4 (nb = 3),

@@ -182,22 +182,23 @@ def _cuobjdump() -> str:
     return str(path)
 
 
-def sass(cubin: bytes) -> str:
-    """The cubin's SASS listing (cuobjdump -sass)."""
+def cuobjdump(cubin: bytes, flag: str) -> str:
+    """cuobjdump's ``flag`` report of ``cubin`` (``-sass``, ``--dump-resource-usage``)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run([_cuobjdump(), "-sass", f.name], check=True,
+        return subprocess.run([_cuobjdump(), flag, f.name], check=True,
                               capture_output=True, text=True).stdout
+
+
+def sass(cubin: bytes) -> str:
+    """The cubin's SASS listing."""
+    return cuobjdump(cubin, "-sass")
 
 
 def resource_usage(cubin: bytes) -> dict:
     """REG, STACK, SHARED, LOCAL of the one kernel in ``cubin`` (cuobjdump's report)."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        text = subprocess.run([_cuobjdump(), "--dump-resource-usage", f.name], check=True,
-                              capture_output=True, text=True).stdout
+    text = cuobjdump(cubin, "--dump-resource-usage")
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", text)
     if m is None:
         raise RuntimeError(f"kernel_build: no resource line in cuobjdump's output:\n{text}")

@@ -23,6 +23,7 @@ faster). Ratios are medians of per-round ratios of interleaved samples.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Callable
 from pathlib import Path
@@ -92,6 +93,16 @@ def _clone_args(args):
     return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
 
 
+@functools.cache
+def _vllm_peer():
+    """The vendored module, loaded once: a fresh load per cell would be a fresh
+    ``triton.jit`` function, compiled again for every cell of the sweep."""
+    spec = importlib.util.spec_from_file_location("vllm_k3_attn_res", VLLM_PEER)
+    peer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peer)
+    return peer
+
+
 def _peer_fns(args, variant, dtype, device):
     """``{peer: fn or reason}``: vLLM's K3 kernel (every variant) and the PyPI peers' kernels
     (the ``read`` mixture)."""
@@ -110,9 +121,7 @@ def _peer_fns(args, variant, dtype, device):
     elif not VLLM_PEER.exists():
         found["vllm-k3"] = f"not found: {VLLM_PEER} (run from a checkout of kimi_passes)"
     else:
-        spec = importlib.util.spec_from_file_location("vllm_k3_attn_res", VLLM_PEER)
-        peer = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(peer)
+        peer = _vllm_peer()
         found["vllm-k3"] = lambda: peer.attn_res(*args)  # the op's signature, all variants
     query = (norm_weight.float() * qk_weight.float())  # RMSNorm weight folded into the query
     try:
