@@ -60,6 +60,7 @@ import triton.language as tl
 
 from .attn_res_args import AttnResArgs
 from .triton_chunked import CHUNKED_KERNEL, INTERPRETED, jit, round_bf16_rtne
+from .triton_decode import launch_decode, takes_decode
 from .validate import AttnResArgumentError, validate_sources
 
 
@@ -237,6 +238,21 @@ def launch_config(H: int, dtype: torch.dtype, aligned: bool = True, slots: int =
     return _KERNEL, dict(BLOCK_H=block_h, PREFETCH=prefetch, num_warps=_num_warps(block_h))
 
 
+ROUTES = ("auto", "row", "decode")
+
+
+def triton_route(route: str | None = None) -> str:
+    """The launch route: ``route`` when given, else ``KIMI_PASSES_TRITON_ROUTE`` (default
+    ``auto``). ``auto``: the decode path (``ops/triton_decode.py``) where ``takes_decode``
+    says, else the row kernel or, for rows too wide for it, the chunked one; ``row`` and
+    ``decode`` force one route at every size (benchmarks and tests compare them)."""
+    route = route or os.environ.get("KIMI_PASSES_TRITON_ROUTE", "auto")
+    if route not in ROUTES:
+        raise ValueError(f"kimi attn_res (triton): unknown route {route!r} (from the argument "
+                         f"or KIMI_PASSES_TRITON_ROUTE); use one of {ROUTES}")
+    return route
+
+
 def _check_unit_stride(a: AttnResArgs) -> None:
     for name, t in zip(a._fields, a.tensors, strict=False):  # the tensors are the first fields
         if t is not None and t.shape[-1] > 1 and t.stride(-1) != 1:
@@ -247,7 +263,7 @@ def _check_unit_stride(a: AttnResArgs) -> None:
             )
 
 
-def _launch(a: AttnResArgs, out, mixed) -> None:
+def _launch(a: AttnResArgs, out, mixed, route: str | None = None) -> None:
     prefix, delta, num_blocks, output_norm_weight = (
         a.prefix, a.delta, a.num_blocks, a.output_norm_weight)
     T, H = prefix.shape
@@ -261,6 +277,15 @@ def _launch(a: AttnResArgs, out, mixed) -> None:
             "kimi attn_res (triton): CPU tensors need the Triton interpreter; set "
             "TRITON_INTERPRET=1 before triton is first imported"
         )
+    route = triton_route(route)
+    pdl = pdl_launch(prefix.device)
+    if route == "decode" or (route == "auto" and takes_decode(T, H)):
+        if INTERPRETED:
+            launch_decode(a, out, mixed, skip_idx, pdl)
+        else:
+            with torch.cuda.device(prefix.device):
+                launch_decode(a, out, mixed, skip_idx, pdl)
+        return
     args = (
         prefix,
         delta if delta is not None else prefix,
@@ -286,7 +311,6 @@ def _launch(a: AttnResArgs, out, mixed) -> None:
     aligned = all(t.data_ptr() % 16 == 0 for t in args[:8]) and all(
         n % 16 == 0 for n in (H, *args[11:17]))
     kernel, cfg = launch_config(H, prefix.dtype, aligned, a.blocks.shape[1])
-    pdl = pdl_launch(prefix.device)
     if pdl:
         cfg = dict(cfg, LAUNCH_PDL=True, launch_pdl=True)  # the constexpr, the launch attribute
     flags = dict(
@@ -305,35 +329,37 @@ def _launch(a: AttnResArgs, out, mixed) -> None:
             kernel[(T,)](*args, **flags)
 
 
-# The public launches take the op's arguments as the op does (positional or by name).
+# The public launches take the op's arguments as the op does (positional or by name), and
+# ``route`` (``triton_route``) by keyword.
 
 
-def attn_res_triton(*args, **kwargs) -> torch.Tensor:
+def attn_res_triton(*args, route: str | None = None, **kwargs) -> torch.Tensor:
     """``kimi::attn_res`` on the tensors' device; mutates ``prefix`` and ``blocks``."""
     a = AttnResArgs(*args, **kwargs)
     validate_sources(a)
     _check_unit_stride(a)
     out = torch.empty(a.prefix.shape, dtype=a.prefix.dtype, device=a.prefix.device)
-    _launch(a, out, None)
+    _launch(a, out, None, route)
     return out
 
 
-def attn_res_capture_triton(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+def attn_res_capture_triton(*args, route: str | None = None,
+                            **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """``kimi::attn_res_capture``: ``(out, mixed)``, two distinct buffers."""
     a = AttnResArgs(*args, **kwargs)
     validate_sources(a)
     _check_unit_stride(a)
     out = torch.empty(a.prefix.shape, dtype=a.prefix.dtype, device=a.prefix.device)
     mixed = torch.empty(a.prefix.shape, dtype=a.prefix.dtype, device=a.prefix.device)
-    _launch(a, out, mixed)
+    _launch(a, out, mixed, route)
     return out, mixed
 
 
-def attn_res_mix_triton(*args, **kwargs) -> torch.Tensor:
+def attn_res_mix_triton(*args, route: str | None = None, **kwargs) -> torch.Tensor:
     """``kimi::attn_res_mix``: the pre-norm mixture, a pure read."""
     a = AttnResArgs.mix(*args, **kwargs)
     validate_sources(a)
     _check_unit_stride(a)
     mixed = torch.empty(a.prefix.shape, dtype=a.prefix.dtype, device=a.prefix.device)
-    _launch(a, None, mixed)
+    _launch(a, None, mixed, route)
     return mixed

@@ -99,6 +99,34 @@ def test_cuda_dispatches_to_triton(dtype):
                        attn_res_mix_triton(prefix, blocks, nw, qk, 4, EPS))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T", [1, 8, 64, 65])
+def test_decode_route_at_k3_shapes(T, dtype):
+    """K3's width at decode sizes: the route auto takes (the decode path up to T = 64, the
+    row kernel above) and the forced row route agree with the reference and each other, with
+    the same in-place effects; the capture's mixture is attn_res_mix's on the new state."""
+    from kimi_passes.ops import triton_decode
+
+    assert triton_decode.takes_decode(T, 7168) == (T <= 64)
+    for nb, write, onorm in ((8, 7, True), (5, 2, False), (0, -1, True)):
+        args = make_args(T, 7168, 8, nb, write, dtype, delta=True, onorm=onorm)
+        ref = clone_args(args)
+        exp_out, exp_mixed = attn_res_reference(*ref, return_mix=True)
+        got = {}
+        for route in ("auto", "row"):
+            a = clone_args(args)
+            out, mixed = attn_res_capture_triton(*a, route=route)
+            assert torch.equal(a[0], ref[0]) and torch.equal(a[2], ref[2]), route
+            close(out, exp_out, dtype)
+            close(mixed, exp_mixed, dtype)
+            prefix, _, blocks, nw, qk, *_ = a
+            assert torch.equal(mixed, attn_res_mix_triton(prefix, blocks, nw, qk, nb, EPS,
+                                                          route=route)), route
+            got[route] = out, mixed
+        close(got["auto"][0], got["row"][0], dtype)
+        close(got["auto"][1], got["row"][1], dtype)
+
+
 def test_strided_bank_view():
     """A bank that is a view with a padded row stride reads the right sources."""
     dtype = torch.bfloat16

@@ -20,6 +20,7 @@ from kimi_passes.ops import (
     attn_res_mix_reference,
     attn_res_reference,
 )
+from kimi_passes.ops import triton_decode as td
 from kimi_passes.ops import triton_kernels as tk
 from kimi_passes.ops.triton_kernels import (
     attn_res_capture_triton,
@@ -448,3 +449,76 @@ def test_pdl_is_opt_in_and_never_on_cpu(monkeypatch):
     assert not tk.pdl_launch(torch.device("cpu"))  # the interpreter, CPU tensors
     monkeypatch.setenv("KIMI_PASSES_PDL", "0")
     assert not tk.pdl_launch(torch.device("cpu"))
+
+
+# --- the decode path (rows split over programs: ops/triton_decode.py) --------------------
+
+@pytest.fixture
+def decode(monkeypatch):
+    """Route every call to the decode path, with slices and source tiles narrow enough that
+    a 100-wide row of 9 slots is cut into 4 slices and its sources read 2 to a tile."""
+    monkeypatch.setenv("KIMI_PASSES_TRITON_ROUTE", "decode")
+    monkeypatch.setattr(td, "DECODE_MIN_SLICE", 32)
+    monkeypatch.setattr(td, "DECODE_TILE", 64)
+    assert td.decode_config(100, 9)["n_splits"] == 4 and td.decode_config(100, 9)["SRC_TILE"] == 2
+
+
+DECODE_GRID = [(torch.float32, 4, 6, True, True), (torch.bfloat16, 9, 8, True, True),
+               (torch.float16, 3, 1, False, True), (torch.bfloat16, 0, -1, True, False),
+               (torch.float32, 5, -1, False, False), (torch.float16, 9, 0, True, False)]
+
+
+@pytest.mark.parametrize("dtype,num_blocks,write_idx,with_delta,with_norm", DECODE_GRID,
+                         ids=[f"{_dt(c[0])}-nb{c[1]}-w{c[2]}" for c in DECODE_GRID])
+def test_decode_path_matches_reference_and_row_kernel(decode, dtype, num_blocks, write_idx,
+                                                      with_delta, with_norm):
+    out, mixed = _check_attn_res(3, 9, 100, dtype, num_blocks, write_idx, with_delta, with_norm,
+                                 seed=num_blocks + 31)
+    # The same in-place effects as the row kernel (both equal the reference's, checked above)
+    # and the same outputs at the op's tolerance.
+    prefix, delta, blocks, nw, qk, onw = _inputs(3, 9, 100, dtype, num_blocks + 31)
+    args = (prefix, delta if with_delta else None, blocks, nw, qk, onw if with_norm else None,
+            num_blocks, write_idx, EPS, OUT_EPS)
+    out_row, mixed_row = attn_res_capture_triton(*args, route="row")
+    _close(out, out_row, dtype, msg="out vs the row kernel")
+    _close(mixed, mixed_row, dtype, msg="mixed vs the row kernel")
+
+
+def test_decode_path_propagates_nan(decode):
+    prefix, delta, blocks, nw, qk, onw = _inputs(3, 4, 100, torch.float32, seed=5)
+    blocks[0, 2, 70] = float("nan")  # a source of row 0, in its third slice
+    delta[2, 99] = float("nan")  # row 2's prefix, in its last (partial) slice
+    out, mixed = attn_res_capture_triton(prefix, delta, blocks, nw, qk, onw, 4, 1, EPS,
+                                         OUT_EPS)
+    for o in (out, mixed):
+        assert o[[0, 2]].isnan().all() and not o[1].isnan().any()
+
+
+def test_decode_switch_point():
+    # auto takes the decode path at T <= 64 for rows of 2048 or more, the row kernel above.
+    assert td.DECODE_MAX_T == 64 and td.DECODE_MIN_H == 2048
+    assert td.takes_decode(1, 2048) and td.takes_decode(64, 7168)
+    assert not td.takes_decode(65, 7168) and not td.takes_decode(1, 2047)
+    assert not td.takes_decode(0, 7168)
+    for T in (1, 8, 64):  # K3's shape: at least min(132, 8 T) programs share a call
+        assert T * td.decode_config(7168, 8)["n_splits"] >= min(132, 8 * T)
+
+
+def test_auto_route_launches_the_decode_path(monkeypatch):
+    calls = []
+    monkeypatch.setattr(tk, "launch_decode", lambda *a: calls.append(a) or td.launch_decode(*a))
+    monkeypatch.setattr(td, "DECODE_MIN_H", 64)
+    prefix, delta, blocks, nw, qk, onw = _inputs(2, 3, 100, torch.float32, seed=3)
+    attn_res_triton(prefix, delta, blocks, nw, qk, onw, 3, 0, EPS, OUT_EPS)
+    assert len(calls) == 1
+    attn_res_triton(prefix, delta, blocks, nw, qk, onw, 3, 0, EPS, OUT_EPS, route="row")
+    monkeypatch.setattr(td, "DECODE_MAX_T", 1)  # T = 2 is now above the switch
+    attn_res_triton(prefix, delta, blocks, nw, qk, onw, 3, 0, EPS, OUT_EPS)
+    assert len(calls) == 1
+
+
+def test_unknown_route_is_refused(monkeypatch):
+    monkeypatch.setenv("KIMI_PASSES_TRITON_ROUTE", "split")
+    prefix, delta, blocks, nw, qk, onw = _inputs(2, 3, 16, torch.float32, seed=3)
+    with pytest.raises(ValueError, match="KIMI_PASSES_TRITON_ROUTE"):
+        attn_res_triton(prefix, delta, blocks, nw, qk, onw, 3, 0, EPS, OUT_EPS)

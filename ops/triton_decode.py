@@ -1,0 +1,293 @@
+"""Decode-shape Triton path of the AttnRes op family: each row split over several programs.
+
+The row kernel (``ops/triton_kernels.py``) runs one program per token row, so a decode step
+of T = 1..64 tokens runs on 1..64 SMs of a 132-SM H200, each pulling a whole row of every
+source (at K3's H = 7168 and 8 blocks, about 130 KB) through one SM. Here a row is cut into
+``n_splits`` column slices of ``SLICE`` elements, and a grid of ``(T, n_splits)`` programs
+runs in two or three launches:
+
+A. ``_decode_stats_kernel``: per slice, the in-place effects (prefix update, block write)
+   and, for every source, the partial ``dot = <v, norm_w * qk_w>`` and ``ssq = <v, v>``,
+   stored to an fp32 workspace ``stats[T, n_splits, 2, BLOCK_S]``. The block sources are
+   loaded ``SRC_TILE`` at a time as one ``[SRC_TILE, SLICE]`` tile, so a program has every
+   byte of a tile in flight at once. The slot the block write fills is not read: its
+   partial sums are the prefix's (the slot holds the rounded prefix).
+B. ``_decode_mix_kernel``: every program of a row sums the row's partials in split order
+   (the same order in every program, so they agree on the weights bit for bit), takes the
+   logits and the softmax over depth, and mixes its slice, reading each source a second
+   time (from L2: launch A has just read it). It stores ``mixed`` and, without an output
+   norm, ``out``; with one, the fp32 mixture slice and its partial sum of squares.
+C. ``_decode_norm_kernel`` (output norm only): the row's mean square from the partials,
+   and ``out`` = the fp32 mixture times rsqrt(ms / H + eps) times the weight, as the row
+   kernel computes it.
+
+The in-place effects are elementwise and equal the row kernel's bit for bit; the outputs
+agree with it to rounding (the sums are split), at the row kernel's tolerances. A capture's
+mixture equals ``attn_res_mix`` run on the post-update state bit for bit, as on the row
+route: the skipped slot's partials are the prefix's, which a later read of the slot gives.
+
+When it runs (``takes_decode``): ``T <= DECODE_MAX_T`` and ``H >= DECODE_MIN_H``; the
+static model behind that choice is in docs/design.md ("The decode-shape launch").
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_chunked import INTERPRETED, jit, round_bf16_rtne
+
+# The switch: rows per call at or below which a row is split, and the narrowest row split.
+DECODE_MAX_T = 64
+DECODE_MIN_H = 2048
+# Slice width: H / 16 rounded up to a power of two, within [256, 1024] elements (8 to 16
+# slices a row at H = 2048..16384; 14 at 7168). A tile holds DECODE_TILE elements: 32 a
+# thread at 4 warps, so a [SRC_TILE, SLICE] tile is 16 x 256, 8 x 512 or 4 x 1024 sources.
+DECODE_MIN_SLICE = 256
+DECODE_MAX_SLICE = 1024
+DECODE_TILE = 4096
+DECODE_WARPS = 4
+
+
+def takes_decode(T: int, H: int) -> bool:
+    """Whether ``launch`` (route ``auto``) splits rows of this call over programs."""
+    return 0 < T <= DECODE_MAX_T and H >= DECODE_MIN_H
+
+
+def decode_config(H: int, slots: int) -> dict:
+    """Launch constants of the decode path at row width ``H`` with a bank of ``slots``."""
+    slice_ = triton.next_power_of_2(-(-H // 16))
+    slice_ = min(DECODE_MAX_SLICE, max(DECODE_MIN_SLICE, slice_))
+    n_splits = -(-H // slice_)
+    block_s = triton.next_power_of_2(slots + 1)
+    src_tile = max(1, min(DECODE_TILE // slice_, triton.next_power_of_2(max(slots, 1))))
+    return dict(n_splits=n_splits, SLICE=slice_, SRC_TILE=src_tile, BLOCK_S=block_s,
+                SPLITS_P2=triton.next_power_of_2(n_splits), num_warps=DECODE_WARPS)
+
+
+def _decode_stats_kernel(
+    prefix_ptr,
+    delta_ptr,
+    blocks_ptr,
+    norm_w_ptr,
+    qk_w_ptr,
+    stats_ptr,
+    H,
+    num_blocks,
+    skip_idx,
+    n_splits,
+    stride_p,
+    stride_d,
+    stride_bt,
+    stride_bn,
+    HAS_DELTA: tl.constexpr,
+    DO_WRITE: tl.constexpr,
+    BF16_SOFT_RTNE: tl.constexpr,
+    SLICE: tl.constexpr,
+    SRC_TILE: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    LAUNCH_PDL: tl.constexpr = False,
+):
+    if LAUNCH_PDL:  # as the row kernel (triton_kernels.pdl_launch)
+        tl.extra.cuda.gdc_wait()
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    slot_stride = tl.cast(stride_bn, tl.int64)
+    cols = split * SLICE + tl.arange(0, SLICE)
+    hmask = cols < H
+    b_row = blocks_ptr + row * stride_bt
+
+    w = tl.load(norm_w_ptr + cols, mask=hmask, other=0.0).to(tl.float32)
+    w = w * tl.load(qk_w_ptr + cols, mask=hmask, other=0.0).to(tl.float32)
+    p_ptrs = prefix_ptr + row * stride_p + cols
+    x = tl.load(p_ptrs, mask=hmask, other=0.0)
+    if HAS_DELTA:
+        d = tl.load(delta_ptr + row * stride_d + cols, mask=hmask, other=0.0)
+        x = x.to(tl.float32) + d.to(tl.float32)
+        if BF16_SOFT_RTNE:
+            x = round_bf16_rtne(x)
+        else:
+            x = x.to(prefix_ptr.dtype.element_ty)
+        tl.store(p_ptrs, x, mask=hmask)
+    if DO_WRITE:
+        tl.store(b_row + skip_idx * slot_stride + cols, x, mask=hmask)
+
+    xf = x.to(tl.float32)
+    dot0, ssq0 = tl.split(tl.sum(tl.join(xf * w, xf * xf), axis=0))
+    st = stats_ptr + (row * n_splits + split) * (2 * BLOCK_S)
+    tl.store(st, dot0)
+    tl.store(st + BLOCK_S, ssq0)
+
+    tj = tl.arange(0, SRC_TILE)
+    for j0 in range(0, num_blocks, SRC_TILE):
+        j = j0 + tj
+        # A column limit per source (vector against vector: see the row kernel's masks).
+        lim = tl.where((j != skip_idx) & (j < num_blocks), H, 0)
+        v = tl.load(b_row + j[:, None].to(tl.int64) * slot_stride + cols[None, :],
+                    mask=cols[None, :] < lim[:, None], other=0.0).to(tl.float32)
+        dot, ssq = tl.split(tl.sum(tl.join(v * w[None, :], v * v), axis=1))
+        # The written slot holds the rounded prefix: its partial sums are the prefix's.
+        dot = tl.where(j == skip_idx, dot0, dot)
+        ssq = tl.where(j == skip_idx, ssq0, ssq)
+        tl.store(st + 1 + j, dot, mask=j < num_blocks)
+        tl.store(st + BLOCK_S + 1 + j, ssq, mask=j < num_blocks)
+    if LAUNCH_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+def _decode_mix_kernel(
+    prefix_ptr,
+    blocks_ptr,
+    stats_ptr,
+    out_ptr,
+    mix_ptr,
+    part_ptr,
+    ms_ptr,
+    H,
+    num_blocks,
+    skip_idx,
+    n_splits,
+    stride_p,
+    stride_bt,
+    stride_bn,
+    stride_o,
+    stride_m,
+    eps,
+    HAS_OUT_NORM: tl.constexpr,
+    WRITE_OUT: tl.constexpr,
+    WRITE_MIX: tl.constexpr,
+    BF16_SOFT_RTNE: tl.constexpr,
+    SLICE: tl.constexpr,
+    SRC_TILE: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+    LAUNCH_PDL: tl.constexpr = False,
+):
+    if LAUNCH_PDL:  # waits for launch A's stores (its whole grid)
+        tl.extra.cuda.gdc_wait()
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    slot_stride = tl.cast(stride_bn, tl.int64)
+    cols = split * SLICE + tl.arange(0, SLICE)
+    hmask = cols < H
+    b_row = blocks_ptr + row * stride_bt
+
+    # The row's partial sums, summed over the splits in one fixed order.
+    sp = tl.arange(0, SPLITS_P2)
+    sidx = tl.arange(0, BLOCK_S)
+    slim = tl.where(sp < n_splits, num_blocks + 1, 0)
+    smask = sidx[None, :] < slim[:, None]
+    offs = (row * n_splits + sp[:, None]) * (2 * BLOCK_S) + sidx[None, :]
+    dot = tl.sum(tl.load(stats_ptr + offs, mask=smask, other=0.0), axis=0)
+    ssq = tl.sum(tl.load(stats_ptr + offs + BLOCK_S, mask=smask, other=0.0), axis=0)
+    valid = sidx <= num_blocks
+    logit = dot * tl.rsqrt(ssq / H + eps)
+    # A NaN logit reaches every weight through the sum (whether or not the max keeps it).
+    m = tl.max(tl.where(valid, logit, float("-inf")), axis=0)
+    p = tl.where(valid, tl.exp(logit - m), 0.0)
+    p = p * (1.0 / tl.sum(p, axis=0))
+
+    xf = tl.load(prefix_ptr + row * stride_p + cols, mask=hmask, other=0.0).to(tl.float32)
+    acc = tl.sum(tl.where(sidx == 0, p, 0.0), axis=0) * xf
+    tj = tl.arange(0, SRC_TILE)
+    for j0 in range(0, num_blocks, SRC_TILE):
+        j = j0 + tj
+        lim = tl.where((j != skip_idx) & (j < num_blocks), H, 0)
+        v = tl.load(b_row + j[:, None].to(tl.int64) * slot_stride + cols[None, :],
+                    mask=cols[None, :] < lim[:, None], other=0.0).to(tl.float32)
+        v = tl.where((j == skip_idx)[:, None], xf[None, :], v)
+        pj = tl.sum(tl.where(sidx[None, :] == (j + 1)[:, None], p[None, :], 0.0), axis=1)
+        acc += tl.sum(pj[:, None] * v, axis=0)
+    if LAUNCH_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+    if WRITE_MIX:
+        y = acc
+        if BF16_SOFT_RTNE:
+            y = round_bf16_rtne(y)
+        tl.store(mix_ptr + row * stride_m + cols, y.to(mix_ptr.dtype.element_ty), mask=hmask)
+    if WRITE_OUT:
+        if HAS_OUT_NORM:  # launch C normalises the fp32 mixture by the whole row's mean square
+            tl.store(part_ptr + row * H + cols, acc, mask=hmask)
+            tl.store(ms_ptr + row * n_splits + split, tl.sum(acc * acc, axis=0))
+        else:
+            y = acc
+            if BF16_SOFT_RTNE:
+                y = round_bf16_rtne(y)
+            tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty),
+                     mask=hmask)
+
+
+def _decode_norm_kernel(
+    out_norm_w_ptr,
+    out_ptr,
+    part_ptr,
+    ms_ptr,
+    H,
+    n_splits,
+    stride_o,
+    out_eps,
+    BF16_SOFT_RTNE: tl.constexpr,
+    SLICE: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+    LAUNCH_PDL: tl.constexpr = False,
+):
+    if LAUNCH_PDL:  # waits for launch B's stores
+        tl.extra.cuda.gdc_wait()
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    cols = split * SLICE + tl.arange(0, SLICE)
+    hmask = cols < H
+    sp = tl.arange(0, SPLITS_P2)
+    ms = tl.sum(tl.load(ms_ptr + row * n_splits + sp, mask=sp < n_splits, other=0.0), axis=0)
+    mixed = tl.load(part_ptr + row * H + cols, mask=hmask, other=0.0)
+    ow = tl.load(out_norm_w_ptr + cols, mask=hmask, other=0.0).to(tl.float32)
+    if LAUNCH_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    y = mixed * tl.rsqrt(ms / H + out_eps) * ow
+    if BF16_SOFT_RTNE:
+        y = round_bf16_rtne(y)
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=hmask)
+
+
+STATS_KERNEL = jit(_decode_stats_kernel)
+MIX_KERNEL = jit(_decode_mix_kernel)
+NORM_KERNEL = jit(_decode_norm_kernel)
+
+
+def launch_decode(a, out, mixed, skip_idx: int, pdl: bool) -> None:
+    """Run the decode path for the record ``a`` (``AttnResArgs``): ``out`` / ``mixed`` are the
+    outputs to store (None: not stored); ``skip_idx`` the written slot, else num_blocks."""
+    prefix, delta, blocks = a.prefix, a.delta, a.blocks
+    T, H = prefix.shape
+    cfg = decode_config(H, blocks.shape[1])
+    n_splits = cfg.pop("n_splits")
+    num_warps = cfg.pop("num_warps")
+    dev = prefix.device
+    stats = torch.empty(T * n_splits * 2 * cfg["BLOCK_S"], dtype=torch.float32, device=dev)
+    norm = out is not None and a.output_norm_weight is not None
+    part = torch.empty(T * H, dtype=torch.float32, device=dev) if norm else stats
+    ms = torch.empty(T * n_splits, dtype=torch.float32, device=dev) if norm else stats
+    rtne = INTERPRETED and prefix.dtype == torch.bfloat16
+    extra = dict(LAUNCH_PDL=True, launch_pdl=True) if pdl else {}
+    grid = (T, n_splits)
+    common = dict(BF16_SOFT_RTNE=rtne, SLICE=cfg["SLICE"], num_warps=num_warps, **extra)
+    STATS_KERNEL[grid](
+        prefix, delta if delta is not None else prefix, blocks, a.norm_weight, a.qk_weight,
+        stats, H, a.num_blocks, skip_idx, n_splits, prefix.stride(0),
+        delta.stride(0) if delta is not None else 0, blocks.stride(0), blocks.stride(1),
+        HAS_DELTA=delta is not None, DO_WRITE=a.block_write_idx >= 0,
+        SRC_TILE=cfg["SRC_TILE"], BLOCK_S=cfg["BLOCK_S"], **common)
+    MIX_KERNEL[grid](
+        prefix, blocks, stats, out if out is not None else prefix,
+        mixed if mixed is not None else prefix, part, ms, H, a.num_blocks, skip_idx, n_splits,
+        prefix.stride(0), blocks.stride(0), blocks.stride(1),
+        out.stride(0) if out is not None else 0, mixed.stride(0) if mixed is not None else 0,
+        float(a.eps), HAS_OUT_NORM=norm, WRITE_OUT=out is not None,
+        WRITE_MIX=mixed is not None, SRC_TILE=cfg["SRC_TILE"], BLOCK_S=cfg["BLOCK_S"],
+        SPLITS_P2=cfg["SPLITS_P2"], **common)
+    if norm:
+        NORM_KERNEL[grid](
+            a.output_norm_weight, out, part, ms, H, n_splits, out.stride(0),
+            float(a.output_norm_eps), SPLITS_P2=cfg["SPLITS_P2"], **common)
