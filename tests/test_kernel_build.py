@@ -82,12 +82,27 @@ def test_every_ci_build_is_spill_free(ci_results):
 
 def test_bytes_in_flight_per_sm_at_k3_widths(ci_results):
     _, results = ci_results
-    for r in results:  # the forward (the backward's rows are the training step's)
-        if kb.is_backward(r["variant"]):
+    for r in results:  # the forward's row route (the backward's rows are training's; the
+        if kb.is_backward(r["variant"]) or kb.is_decode(r["variant"]):  # decode path: below)
             continue
         if r["sm"] == 90 and r["dtype"] == "bfloat16" and r["H"] in (4096, 7168):
             assert r["in_flight_kb"] >= 32, kb.table([r])
             assert r["kernel"] == "_attn_res_kernel", "K3 widths must take the one-read kernel"
+
+
+def test_decode_path_spreads_a_k3_call_over_the_gpu(ci_results):
+    """At T = 1, 8, 64 with K3's shape (H = 7168, 8 blocks, bf16), the decode path's launch
+    A runs at least min(132, 8 T) programs, and the source bytes it has in flight across the
+    GPU (the static model, from the sm_90 builds' residency) are at least twice the row
+    kernel's and grow with T until the grid is resident."""
+    _, results = ci_results
+    rows = kb.decode_static(results)
+    assert [r["T"] for r in rows] == [1, 8, 64]
+    for r in rows:
+        assert r["decode_programs"] >= min(132, 8 * r["T"]), r
+        assert r["decode_in_flight_kb"] >= 2 * r["row_in_flight_kb"], r
+        assert r["decode_in_flight_kb"] <= r["source_kb"], r
+    assert rows[1]["decode_in_flight_kb"] == 8 * rows[0]["decode_in_flight_kb"]
 
 
 # Where ptxas spills is a fact of one compiler: measured with triton 3.9.0's (the limits in
@@ -166,30 +181,34 @@ def test_pdl_builds_show_griddepcontrol_and_change_nothing_else():
     """The opt-in programmatic dependent launch (ops/triton_kernels.py ``pdl_launch``): the
     sm_90 build waits and triggers (PTX ``griddepcontrol``, SASS ``ACQBULK`` / ``PREEXIT``)
     with the registers and stack of the default build, which has none of it."""
-    on, off = json.loads(compiled_run(
-        "import json; v = 'capture+delta+write+norm'; fn, cfg = kb.launch(v, 'bfloat16', 7168); "
-        "on = kb.build_config(fn, dict(cfg, LAUNCH_PDL=True), v, 'bfloat16', 7168, 90); "
-        "off = kb.build_config(fn, cfg, v, 'bfloat16', 7168, 90); "
-        "print(json.dumps([on, off]))"))
-    assert on["pdl"] == {"ptx": ["griddepcontrol.launch_dependents", "griddepcontrol.wait"],
-                         "sass": ["ACQBULK", "PREEXIT"]}, on["pdl"]
-    assert "pdl" not in off
-    assert (on["regs"], on["stack"]) == (off["regs"], off["stack"])
+    for variant in ("capture+delta+write+norm", "dec-mix:out+mix+norm"):
+        on, off = json.loads(compiled_run(
+            "import json; v = sys.argv[1]; fn, cfg = kb.launch(v, 'bfloat16', 7168); "
+            "on = kb.build_config(fn, dict(cfg, LAUNCH_PDL=True), v, 'bfloat16', 7168, 90); "
+            "off = kb.build_config(fn, cfg, v, 'bfloat16', 7168, 90); "
+            "print(json.dumps([on, off]))", variant))
+        assert on["pdl"] == {"ptx": ["griddepcontrol.launch_dependents", "griddepcontrol.wait"],
+                             "sass": ["ACQBULK", "PREEXIT"]}, (variant, on["pdl"])
+        assert "pdl" not in off
+        assert (on["regs"], on["stack"]) == (off["regs"], off["stack"]), variant
 
 
 def test_amd_gfx942_builds_have_no_scratch_and_fit_a_workgroup():
     """AMD MI300 (gfx942, 64-wide wavefronts), offline: the launches where CUDA's need most
     registers or threads (the forward's superset at K3's width and chunked, the backward's
-    superset at every kernel and warp setting) build with no scratch and no VGPR/SGPR spill,
-    in at most 1024 threads a workgroup. The whole matrix: BENCHMARKS.md (432 builds)."""
+    superset at every kernel and warp setting, the decode path's widest slices) build with
+    no scratch and no VGPR/SGPR spill, in at most 1024 threads a workgroup. The whole
+    matrix: ``tools/kernel_build.py --target gfx942`` (BENCHMARKS.md)."""
     cases = [("capture+delta+write+norm", "bfloat16", 7168), ("mix", "float32", 16384),
              ("bwd:dprefix+dblocks+dw", "bfloat16", 2048),
              ("bwd:dprefix+dblocks+dw", "float32", 4096),
              ("bwd:dprefix+dblocks+dw", "float32", 8192),
-             ("bwd:dprefix+dblocks+dw", "bfloat16", 8190)]
+             ("bwd:dprefix+dblocks+dw", "bfloat16", 8190),
+             ("dec-stats:delta+write", "float32", 16384),
+             ("dec-mix:out+mix+norm", "float32", 16384)]
     results = json.loads(compiled_run(
         "import json; print(json.dumps([kb.build_hip(*c) for c in json.loads(sys.argv[1])]))",
         json.dumps(cases)))
     for r in results:
         assert not r["spills"] and r["threads"] <= 1024, r
-    assert [r["kernel"] for r in results][-1] == "_mix_bwd_chunked_kernel"
+    assert [r["kernel"] for r in results][-3] == "_mix_bwd_chunked_kernel"

@@ -97,11 +97,27 @@ def variants() -> list[tuple[str, dict]]:
                                                              ("dw", dw)) if on)
                     out.append((name, dict(WRITE_DPREFIX=dprefix, WRITE_DBLOCKS=dblocks,
                                            NEED_DW=dw)))
+    # The decode path (ops/triton_decode.py): launch A's in-place flags, launch B's stores
+    # (attn_res with or without the output norm, the capture, the pure mixture), launch C.
+    for delta in (True, False):
+        for write in (True, False):
+            name = "+".join(n for n, on in (("delta", delta), ("write", write)) if on)
+            out.append(("dec-stats:" + (name or "read"), dict(HAS_DELTA=delta, DO_WRITE=write)))
+    for name, out_, mix, norm in (
+            ("out+norm", True, False, True), ("out", True, False, False),
+            ("out+mix+norm", True, True, True), ("out+mix", True, True, False),
+            ("mix", False, True, False)):
+        out.append(("dec-mix:" + name, dict(WRITE_OUT=out_, WRITE_MIX=mix, HAS_OUT_NORM=norm)))
+    out.append(("dec-norm:out", {}))
     return out
 
 
 def is_backward(variant: str) -> bool:
     return variant.startswith("bwd:")
+
+
+def is_decode(variant: str) -> bool:
+    return variant.startswith("dec-")
 
 
 # CI subset. Registers are not monotone in the flags (ptxas: in the full matrix the variant
@@ -115,6 +131,9 @@ def is_backward(variant: str) -> bool:
 # 96 and 80 registers), so no variant stands for the others.
 CI_VARIANTS = ("capture+delta+write+norm", "mix")
 CI_ALL_VARIANTS_AT = (7168, 8192)
+# The decode kernels: 128 threads (a 255-register cap) and at most 72 registers in the full
+# matrix; CI builds each launch's superset variant at every width (each slice width).
+CI_DECODE_VARIANTS = ("dec-stats:delta+write", "dec-mix:out+mix+norm", "dec-norm:out")
 
 
 def _kernel_module(backward: bool = False):
@@ -138,6 +157,17 @@ def launch(variant: str, dtype: str, H: int, warp_size: int = 32):
     import torch
 
     tk = _kernel_module(is_backward(variant))
+    if is_decode(variant):  # the kernel of launch A, B or C, at the constants the op uses
+        from kimi_passes.ops import triton_decode as td
+
+        cfg = td.decode_config(H, SLOTS)
+        del cfg["n_splits"]
+        if variant.startswith("dec-stats"):
+            del cfg["SPLITS_P2"]
+            return td.STATS_KERNEL, cfg
+        if variant.startswith("dec-mix"):
+            return td.MIX_KERNEL, cfg
+        return td.NORM_KERNEL, {k: cfg[k] for k in ("SLICE", "SPLITS_P2", "num_warps")}
     extra = {"warp_size": warp_size} if is_backward(variant) else {}
     return tk.launch_config(H, getattr(torch, dtype), aligned=H % 16 == 0, slots=SLOTS, **extra)
 
@@ -223,13 +253,13 @@ def _ast_source(fn, cfg: dict, variant: str, dtype: str, H: int):
     aligned = [["tt.divisibility", 16]]
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
-        if name == "dw_ptr":  # the backward's fp32 weight-gradient rows
+        if name in ("dw_ptr", "stats_ptr", "part_ptr", "ms_ptr"):  # fp32 workspaces
             signature[name], attrs[(i,)] = "*fp32", aligned
         elif name.endswith("_ptr"):
             signature[name], attrs[(i,)] = ptr, aligned
         elif name in ("eps", "out_eps"):
             signature[name] = "fp32"
-        elif name in ("num_blocks", "skip_idx", "T"):
+        elif name in ("num_blocks", "skip_idx", "T", "n_splits"):
             signature[name] = "i32"  # small or any count: not divisible by 16 in general
         elif name == "H" or name.startswith("stride_"):
             # Contiguous rows: strides are multiples of H, so divisible by 16 when H is.
@@ -270,10 +300,14 @@ def build_config(fn, cfg: dict, variant: str, dtype: str, H: int, cc: int) -> di
                "sass": sorted(set(re.findall(r"\b(ACQBULK|PREEXIT)\b", sass(kernel.asm["cubin"]))))}
     rows = cfg.get("ROWS", 1)
     resident = occupancy(use["regs"], 32 * num_warps, use["shared"])
-    prefetch = cfg.get("PREFETCH", 1)  # the chunked kernel: one chunk, reduced as it lands
-    in_flight = resident * rows * prefetch * min(H, cfg.get("CHUNK", H)) * _ELEM_BYTES[dtype]
+    # Rows (or tiles of sources) loaded ahead of the reduction: the chunked kernel reduces
+    # one chunk as it lands; the decode kernels load a [SRC_TILE, SLICE] tile at once.
+    prefetch = cfg.get("PREFETCH", cfg.get("SRC_TILE", 1))
+    width = min(H, cfg.get("CHUNK", cfg.get("SLICE", H)))
+    in_flight = resident * rows * prefetch * width * _ELEM_BYTES[dtype]
     return dict(variant=variant, dtype=dtype, H=H, sm=cc, num_warps=num_warps,
-                kernel=fn.fn.__name__, block=cfg.get("BLOCK_H", cfg.get("CHUNK")), rows=rows,
+                kernel=fn.fn.__name__,
+                block=cfg.get("BLOCK_H", cfg.get("CHUNK", cfg.get("SLICE"))), rows=rows,
                 prefetch=prefetch, **use, spills=use["stack"] > 0 or use["local"] > 0,
                 resident=resident, in_flight_kb=in_flight / 1024, seconds=round(seconds, 2),
                 **({"pdl": pdl} if pdl is not None else {}))
@@ -297,8 +331,10 @@ def _build_star(args):
 def matrix(ci: bool) -> list[tuple[str, str, int, int]]:
     every = [n for n, _ in variants()]
     backward = [n for n in every if is_backward(n)]
-    names = (lambda H: every if not ci or H in CI_ALL_VARIANTS_AT
-             else [*CI_VARIANTS, *backward])
+    forward = [n for n in every if not is_backward(n) and not is_decode(n)]
+    names = (lambda H: every if not ci
+             else [*(forward if H in CI_ALL_VARIANTS_AT else CI_VARIANTS), *backward,
+                   *CI_DECODE_VARIANTS])
     return [(v, d, H, cc) for cc in TARGETS for d in DTYPES for H in WIDTHS for v in names(H)]
 
 
@@ -330,13 +366,17 @@ def run(ci: bool, jobs: int) -> list[dict]:
     return results
 
 
+def _kind(kernel: str) -> str:
+    return "chunked" if "chunked" in kernel else "decode" if "decode" in kernel else "row"
+
+
 def table(results: list[dict]) -> str:
     head = (f"{'sm':>4} {'dtype':>8} {'H':>6} {'variant':<26} {'kernel':>7} {'block':>5} "
             f"{'warps':>5} {'ahead':>5} {'regs':>4} {'stack':>5} {'res/SM':>6} "
             f"{'KB in flight/SM':>15}")
     lines = [head]
     for r in sorted(results, key=lambda r: (r["sm"], r["dtype"], r["H"], r["variant"])):
-        kind = "chunked" if "chunked" in r["kernel"] else "row"
+        kind = _kind(r["kernel"])
         lines.append(f"{r['sm']:>4} {r['dtype']:>8} {r['H']:>6} {r['variant']:<26} {kind:>7} "
                      f"{r['block']:>5} {r['num_warps']:>5} {r['prefetch']:>5} {r['regs']:>4} "
                      f"{r['stack']:>5} {r['resident']:>6} {r['in_flight_kb']:>15.1f}"
@@ -348,13 +388,14 @@ def summary(results: list[dict]) -> str:
     """Per (target, dtype, H): the worst variant's registers, stack, residency, bytes."""
     groups: dict[tuple, list[dict]] = {}
     for r in results:
-        op = "backward" if is_backward(r["variant"]) else "forward"
+        v = r["variant"]
+        op = "backward" if is_backward(v) else v.split(":")[0] if is_decode(v) else "forward"
         groups.setdefault((r["sm"], r["dtype"], r["H"], op), []).append(r)
     lines = ["| sm | dtype | H | op | kernel | warps | rows ahead | regs (max) | stack (max) | "
              "programs/SM (min) | KB in flight/SM (min) | variants |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (sm, dtype, H, op), rs in sorted(groups.items()):
-        kind = "chunked" if "chunked" in rs[0]["kernel"] else "row"
+        kind = _kind(rs[0]["kernel"])
         lines.append(
             f"| {sm} | {dtype} | {H} | {op} | {kind} {rs[0]['block']} | {rs[0]['num_warps']} | "
             f"{rs[0]['prefetch']} | {max(r['regs'] for r in rs)} | "
@@ -363,18 +404,115 @@ def summary(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+H200_SMS = 132
+
+
+def decode_static(results: list[dict], H: int = 7168, dtype: str = "bfloat16", sm: int = 90,
+                  nb: int = SLOTS, tokens=(1, 8, 64)) -> list[dict]:
+    """The static model at decode sizes on an H200 (132 SMs), from the builds: per call of T
+    rows, the programs and SMs a launch occupies and the bytes of source loads in flight
+    across the GPU, row kernel (its superset variant) against the decode path's launch A."""
+    from kimi_passes.ops import triton_decode as td
+
+    def one(variant):
+        rs = [r for r in results if (r["variant"], r["H"], r["dtype"], r["sm"]) ==
+              (variant, H, dtype, sm)]
+        if not rs:
+            raise SystemExit(f"kernel_build: no {variant} build at sm_{sm} {dtype} H={H}")
+        return rs[0]
+
+    row, stats = one("capture+delta+write+norm"), one("dec-stats:delta+write")
+    cfg = td.decode_config(H, nb)
+    elem = _ELEM_BYTES[dtype]
+    out = []
+    for T in tokens:
+        row_progs, dec_progs = T, T * cfg["n_splits"]
+        row_live = min(row_progs, H200_SMS * row["resident"])
+        dec_live = min(dec_progs, H200_SMS * stats["resident"])
+        out.append(dict(
+            T=T, row_programs=row_progs, decode_programs=dec_progs,
+            row_sms=min(T, H200_SMS), decode_sms=min(dec_progs, H200_SMS),
+            row_in_flight_kb=row_live * min(row["prefetch"], nb) * H * elem / 1024,
+            decode_in_flight_kb=dec_live * min(cfg["SRC_TILE"], nb) * cfg["SLICE"] * elem / 1024,
+            source_kb=T * (nb + 1) * H * elem / 1024))
+    return out
+
+
+def decode_table(rows: list[dict]) -> str:
+    lines = ["| T | programs: row / decode | SMs busy: row / decode | KB of sources in flight "
+             "on the GPU: row / decode | KB of sources a call reads |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['T']} | {r['row_programs']} / {r['decode_programs']} | "
+                     f"{r['row_sms']} / {r['decode_sms']} | {r['row_in_flight_kb']:.0f} / "
+                     f"{r['decode_in_flight_kb']:.0f} | {r['source_kb']:.0f} |")
+    return "\n".join(lines)
+
+
+HIP_ARCHS = ("gfx942", "gfx950")  # MI300X / MI300A, MI355X: both build with triton 3.8's wheel
+
+
+def _build_hip_star(args):
+    return build_hip(*args)
+
+
+def run_hip(ci: bool, jobs: int, arch: str) -> list[dict]:
+    """The matrix (one target: ``arch``) built for AMD; every build, none shared."""
+    todo = sorted({(v, d, H) for v, d, H, _ in matrix(ci)})
+    with ProcessPoolExecutor(max(1, jobs)) as pool:
+        return list(pool.map(_build_hip_star, [(*t, arch) for t in todo]))
+
+
+def hip_summary(results: list[dict]) -> str:
+    """Per (op, dtype, H): the worst variant's VGPRs, SGPRs, scratch, waves per SIMD."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        v = r["variant"]
+        op = "backward" if is_backward(v) else v.split(":")[0] if is_decode(v) else "forward"
+        groups.setdefault((op, r["dtype"], r["H"]), []).append(r)
+    lines = ["| op | dtype | H | kernel, warps (threads) | VGPRs (max) | SGPRs (max) | "
+             "scratch B (max) | waves/SIMD (min) | variants |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for (op, dtype, H), rs in sorted(groups.items()):
+        lines.append(
+            f"| {op} | {dtype} | {H} | {_kind(rs[0]['kernel'])}, {rs[0]['num_warps']} "
+            f"({rs[0]['threads']}) | {max(r['vgprs'] for r in rs)} | "
+            f"{max(r['sgprs'] for r in rs)} | {max(r['scratch'] for r in rs)} | "
+            f"{min(r['waves_per_simd'] for r in rs)} | {len(rs)} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="nvidia", choices=("nvidia", *HIP_ARCHS),
+                    help="nvidia: sm_90 and sm_100 (the default); or an AMD arch")
     ap.add_argument("--ci", action="store_true", help="the CI subset of variants")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--from-json", type=Path, help="print the tables of an earlier --json")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
+    if a.target != "nvidia":
+        results = (json.loads(a.from_json.read_text()) if a.from_json
+                   else run_hip(a.ci, a.jobs, a.target))
+        print(hip_summary(results))
+        spills = [r for r in results if r["spills"] or r["threads"] > 1024]
+        print(f"{len(results)} {a.target} builds in {time.perf_counter() - t0:.0f} s; "
+              f"{len(spills)} with scratch, a spill or over 1024 threads")
+        for r in spills:
+            print("  ", r)
+        if a.json:
+            a.json.write_text(json.dumps(results, indent=1))
+        return 1 if spills else 0
     results = json.loads(a.from_json.read_text()) if a.from_json else run(a.ci, a.jobs)
     print(table(results))
     print()
     print(summary(results))
+    if any(r["variant"] == "dec-stats:delta+write" and r["H"] == 7168 and r["sm"] == 90
+           and r["dtype"] == "bfloat16" for r in results):
+        print()
+        print("decode sizes, K3 (H = 7168, 8 blocks, bf16), sm_90 builds, an H200's 132 SMs:")
+        print(decode_table(decode_static(results)))
     spills = [r for r in results if r["spills"]]
     took = "read back" if a.from_json else f"in {time.perf_counter() - t0:.0f} s"
     print(f"{len(results)} builds {took}; {len(spills)} spill")
