@@ -27,7 +27,9 @@
 #      inputs of one shape, taps vs the ground truth, no cudagraph skips
 #      (tests/test_cuda.py::test_k3_tiny_cuda_graphs_replay_with_new_inputs)
 #   5. decode-regime sweep: T = 1, 8, 64, 256 at H=7168 nb=8 bf16, the full variant, against
-#      the compiled plain-torch statement, vLLM's K3 kernel and the copy roofline
+#      the compiled plain-torch statement, vLLM's K3 kernel and the copy roofline; the op
+#      takes the decode path (ops/triton_decode.py) up to T=64 and is timed beside the row
+#      kernel forced at the same T (`triton-row`, "op x row-route"): the switch point's check
 #   5b. whole compiled steps on CUDA: the reference K3 (L=8, H=512) at T = 1, 8, 64 under
 #      kimi_backend against plain Inductor (python -m kimi_passes.bench.decode --device cuda)
 #   6. (if time is left) the tap section on CUDA with a small K3
@@ -136,7 +138,7 @@ step "op bench: the headline shape T=8192 H=7168 nb=8 bf16 (target roof >= 0.9)"
     --out "$RESULTS/op_headline.json" --text "$RESULTS/op_headline.txt"
 step "cuda graphs: tiny K3, kimi_backend, mode=reduce-overhead, 5 replays, taps vs truth" 90 \
     tests cuda_graphs cuda_graphs
-step "op bench: decode sweep T=1,8,64,256 at H=7168 nb=8 bf16 (full) vs compiled, vLLM, copy" 100 \
+step "op bench: decode sweep T=1,8,64,256 H=7168 nb=8 bf16 (full) vs row route, compiled, vLLM" 100 \
     bench --only op --T 1 8 64 256 --H 7168 --blocks 8 --dtypes bfloat16 --variants full \
     --out "$RESULTS/op_decode.json" --text "$RESULTS/op_decode.txt"
 step "whole K3 step on CUDA, T=1,8,64: kimi_backend vs plain Inductor" 120 \

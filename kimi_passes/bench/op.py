@@ -6,7 +6,8 @@ by Inductor (``compiled``: ``torch.compile(fn, dynamic=False)``, static shapes, 
 compile per cell) and a memory copy moving the same number of bytes (``copy``:
 ``dst.copy_(src)`` with ``src`` and ``dst`` ``bytes/2`` each, so it reads ``bytes/2`` and
 writes ``bytes/2``). On CUDA also the Triton kernel called directly (``triton``: what
-the op dispatches to, without the dispatcher), ``vllm-k3``: the Triton kernel vLLM 0.33.0
+the op dispatches to, without the dispatcher; ``triton-row``: forced to the row kernel,
+beside the decode path the op takes at small T), ``vllm-k3``: the Triton kernel vLLM 0.33.0
 serves K3's AttnRes with (vendored, from a checkout's ``tools/vllm_k3_attn_res.py``; every
 variant, the same arguments and in-place effects as the op), and, when importable, the
 PyPI peers ``flash-attn-res`` and ``fast-attnres`` on the shapes their kernels accept.
@@ -204,6 +205,9 @@ def _op_factories(cfg, variant, dtype) -> tuple[dict, dict]:
         from kimi_passes.ops import attn_res_triton
 
         makers["triton"] = lambda a: lambda: attn_res_triton(*a)
+        # The row kernel at every T: where auto takes the decode path (T <= 64 at H >= 2048,
+        # ops/triton_decode.py), the two routes side by side.
+        makers["triton-row"] = lambda a: lambda: attn_res_triton(*a, route="row")
     makers["eager"] = lambda a: lambda: plain_torch(*a)
     if cfg.compiled:
         compiled = torch.compile(plain_torch, dynamic=False)
@@ -311,7 +315,10 @@ def op_line(row, device) -> str:
          f"{row['bytes'] / 1e6:8.2f} {t['op']['median'] * 1e3:9.4f} {row['gbps']['op']:7.2f} "
          f"{row['gbps']['copy']:9.2f} {fmt_ratio(row['roofline']):>16} "
          f"{fmt_ratio(row['op_vs_eager']):>16} {fmt_ratio(row['op_vs_compiled']):>16}")
-    extra = [f"{n}={t[n]['median'] * 1e3:.4f}ms" for n in ("triton", *PEERS) if n in t]
+    extra = [f"{n}={t[n]['median'] * 1e3:.4f}ms" for n in ("triton", "triton-row", *PEERS)
+             if n in t]
+    if "triton-row" in row["vs_op"]:  # t(row kernel) / t(op): > 1 where the route auto took
+        extra.append(f"op x row-route={fmt_ratio(row['vs_op']['triton-row'])}")  # is faster
     if "vllm-k3" in row["vs_op"]:  # the peer to beat: t(vLLM's kernel) / t(op), >= 1.0
         extra.append(f"op x vllm-k3={fmt_ratio(row['vs_op']['vllm-k3'])}")
     if row.get("host_time_s"):
