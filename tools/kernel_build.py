@@ -10,15 +10,19 @@ matrix has one width, 8190, that is not: Triton then loads element by element). 
 the cubin; a non-zero stack or local size is a spill (the kernels have no local arrays).
 
 The backward (``ops/triton_backward.py``, its own ``launch_config``) is built the same way,
-one variant per non-empty set of gradients (``bwd:dprefix+dblocks+dw`` ... ``bwd:dw``).
+one variant per non-empty set of gradients (``bwd:dprefix+dblocks+dw`` ... ``bwd:dw``), and
+so are the decode path's three launches (``ops/triton_decode.py``: ``dec-stats:*``,
+``dec-mix:*``, ``dec-norm:out``).
 
-Run (the whole matrix, 864 builds, 720 distinct, about 140 s on 2 idle cores; ``--ci`` is the
-subset that tests/test_kernel_build.py builds: every variant at H = 7168 and 8192, and
-elsewhere every backward variant and two of the forward's; 504 builds, 360 of them distinct,
-146 s of CPU with an empty Triton cache, measured with triton 3.8.0):
+Run (the whole matrix, 1224 builds, 996 distinct, 151 s on 2 idle cores with triton 3.8.0;
+``--ci`` is the subset that tests/test_kernel_build.py builds: every forward variant at
+H = 7168 and 8192, elsewhere two of the forward's, and every backward variant and each decode
+launch's superset variant at every width; 612 builds, 444 of them distinct, 155 s of CPU with
+an empty Triton cache, triton 3.8.0):
 
-    python tools/kernel_build.py [--ci] [--jobs 2] [--json out.json]
+    python tools/kernel_build.py [--ci] [--jobs 2] [--json out.json] [--target gfx942]
 
+``--target gfx942`` (or ``gfx950``) builds the same matrix for one AMD arch (``build_hip``).
 It prints one row per build and a summary per (target, dtype, H), and exits 1 when any build
 spills. TRITON_INTERPRET must be unset or 0: under the interpreter ``triton.jit`` builds no
 compilable kernel (the tool refuses).
