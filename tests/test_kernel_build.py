@@ -212,3 +212,20 @@ def test_amd_gfx942_builds_have_no_scratch_and_fit_a_workgroup():
     for r in results:
         assert not r["spills"] and r["threads"] <= 1024, r
     assert [r["kernel"] for r in results][-3] == "_mix_bwd_chunked_kernel"
+
+
+@pytest.mark.vllm
+def test_vllm_amd_k3_kernel_builds_beside_ours_for_gfx942():
+    """The peer: vLLM 0.33.0's AMD K3 kernel, read from the installed vLLM and built for
+    gfx942 as its launch does at K3's width (bf16, H = 7168), decode (T < 256) and prefill.
+    The op's launches there (the row kernel; the decode path's A and B) use fewer VGPRs
+    (BENCHMARKS.md, "AMD MI300": 58-70 against 134-160, at every width)."""
+    results = json.loads(compiled_run(
+        "import json; peers = [kb.build_vllm_amd('bfloat16', 7168, t) for t in (1, 256)]; "
+        "ours = [kb.build_hip(v, 'bfloat16', 7168) for v in ('attn_res+delta+write+norm', "
+        "'dec-stats:delta+write', 'dec-mix:out+norm')]; print(json.dumps([peers, ours]))"))
+    peers, ours = results
+    assert [p["variant"] for p in peers] == ["vllm-amd:decode", "vllm-amd:prefill"]
+    assert [p["threads"] for p in peers] == [512, 256]  # its launch: 8 warps, then 4
+    for r in ours:
+        assert not r["spills"] and r["vgprs"] < min(p["vgprs"] for p in peers), (r, peers)

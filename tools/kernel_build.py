@@ -190,6 +190,11 @@ def build_hip(variant: str, dtype: str, H: int, arch: str = HIP_ARCH) -> dict:
     src, num_warps, _ = _ast_source(fn, cfg, variant, dtype, H)
     kernel = triton.compile(src, target=GPUTarget("hip", arch, 64),
                             options=dict(num_warps=num_warps))
+    return dict(variant=variant, dtype=dtype, H=H, arch=arch, kernel=fn.fn.__name__,
+                num_warps=num_warps, threads=64 * num_warps, **_hip_usage(kernel, variant))
+
+
+def _hip_usage(kernel, variant: str) -> dict:
     asm = kernel.asm["amdgcn"]
 
     def field(name: str) -> int:
@@ -201,9 +206,74 @@ def build_hip(variant: str, dtype: str, H: int, arch: str = HIP_ARCH) -> dict:
     use = dict(vgprs=field(r"\.vgpr_count"), sgprs=field(r"\.sgpr_count"),
                vgpr_spills=field(r"\.vgpr_spill_count"), sgpr_spills=field(r"\.sgpr_spill_count"),
                scratch=field("ScratchSize"), waves_per_simd=field("Occupancy"))
-    return dict(variant=variant, dtype=dtype, H=H, arch=arch, kernel=fn.fn.__name__,
-                num_warps=num_warps, threads=64 * num_warps, **use,
-                spills=bool(use["scratch"] or use["vgpr_spills"] or use["sgpr_spills"]))
+    return dict(use, spills=bool(use["scratch"] or use["vgpr_spills"] or use["sgpr_spills"]))
+
+
+VLLM_AMD_KERNEL = "vllm/models/kimi_k3/amd/ops/attn_res.py"
+
+
+def _vllm_amd_kernel():
+    """vLLM's AMD K3 ``_attn_res_kernel``, read from the installed vLLM's file. Importing the
+    module would not do on a machine without a GPU: vLLM's ``triton_utils`` then hands out
+    placeholders for ``triton`` / ``tl``. So its two vLLM imports are replaced by triton's
+    (the kernel uses no other vLLM name) and the file is loaded from a temporary copy."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("kernel_build: vLLM's AMD K3 kernel needs vLLM 0.33.0 installed "
+                         "(bash tools/install_vllm.sh)")
+    path = Path(spec.submodule_search_locations[0]).parent / VLLM_AMD_KERNEL
+    text = path.read_text()
+    imports = {"from vllm.triton_utils import tl, triton\n":
+               "import triton\nimport triton.language as tl\n",
+               "from vllm.model_executor.layers.quantization.utils.quant_utils import "
+               "get_fp8_min_max\n": ""}
+    for old, new in imports.items():
+        if old not in text:
+            raise SystemExit(f"kernel_build: {path} no longer has {old.strip()!r}; update "
+                             f"_vllm_amd_kernel for this vLLM")
+        text = text.replace(old, new)
+    tmp = Path(tempfile.mkdtemp()) / "vllm_amd_attn_res.py"
+    tmp.write_text(text)
+    mod_spec = importlib.util.spec_from_file_location("vllm_amd_attn_res", tmp)
+    module = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(module)
+    return module._attn_res_kernel
+
+
+def build_vllm_amd(dtype: str, H: int, tokens: int, arch: str = HIP_ARCH, nb: int = SLOTS):
+    """vLLM 0.33.0's AMD K3 kernel (``vllm/models/kimi_k3/amd/ops/attn_res.py``), the peer,
+    built for ``arch`` as its ``attn_res`` launches it for a call of ``tokens`` rows with a
+    delta, a block write and the output norm over ``nb`` blocks (hidden size, strides and
+    counts are constexprs there): 4 sources a tile and 8 warps below 256 tokens, else 1 and 4.
+    Needs vLLM installed (``bash tools/install_vllm.sh``)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = _vllm_amd_kernel()
+    block_l, num_warps = (1, 4) if tokens >= 256 or nb <= 1 else (4, 8)
+    values = dict(stride_prefix_m=H, stride_delta_m=H, stride_block_m=nb * H, stride_block_r=H,
+                  stride_output_m=H, num_blocks=nb, hidden_size=H, block_write_idx=0, eps=1e-6,
+                  output_norm_eps=1e-6, HAS_DELTA=True, WRITE_BLOCK=True,
+                  APPLY_OUTPUT_NORM=True, QUANT_MAX=0.0, BLOCK_L=block_l,
+                  BLOCK_D=triton.next_power_of_2(H))
+    ptr = "*" + _TL_DTYPE[dtype]
+    signature, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in values:
+            signature[name] = "constexpr"
+        else:
+            signature[name] = "*fp32" if name == "output_scale_ptr" else ptr
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=signature, attrs=attrs,
+                    constexprs={(fn.arg_names.index(k),): v for k, v in values.items()})
+    kernel = triton.compile(src, target=GPUTarget("hip", arch, 64),
+                            options=dict(num_warps=num_warps, num_stages=2))
+    return dict(variant=f"vllm-amd:{'decode' if block_l > 1 else 'prefill'}", dtype=dtype, H=H,
+                arch=arch, kernel="vllm " + fn.fn.__name__, num_warps=num_warps,
+                threads=64 * num_warps, **_hip_usage(kernel, "vllm-amd"))
 
 
 def _cuobjdump() -> str:
@@ -486,10 +556,29 @@ def hip_summary(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def peer_table(arch: str) -> str:
+    """vLLM's AMD K3 kernel at its decode (T < 256) and prefill launches beside the op's
+    kernels, the superset variant of each, bf16, at every width."""
+    lines = ["| H | kernel (launch) | threads | VGPRs | SGPRs | scratch B | waves/SIMD |",
+             "|---|---|---|---|---|---|---|"]
+    for H in WIDTHS:
+        rows = [build_vllm_amd("bfloat16", H, 1, arch), build_vllm_amd("bfloat16", H, 256, arch)]
+        rows += [build_hip(v, "bfloat16", H, arch) for v in (
+            "attn_res+delta+write+norm", "dec-stats:delta+write", "dec-mix:out+norm",
+            "dec-norm:out")]
+        for r in rows:
+            lines.append(f"| {H} | {r['kernel'].lstrip('_')} ({r['variant']}) | {r['threads']} | "
+                         f"{r['vgprs']} | {r['sgprs']} | {r['scratch']} | "
+                         f"{r['waves_per_simd']} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="nvidia", choices=("nvidia", *HIP_ARCHS),
                     help="nvidia: sm_90 and sm_100 (the default); or an AMD arch")
+    ap.add_argument("--vllm-peer", action="store_true",
+                    help="with an AMD --target: also build vLLM's AMD K3 kernel (needs vLLM)")
     ap.add_argument("--ci", action="store_true", help="the CI subset of variants")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--json", type=Path, help="write the results here")
@@ -505,6 +594,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{len(spills)} with scratch, a spill or over 1024 threads")
         for r in spills:
             print("  ", r)
+        if a.vllm_peer:
+            print()
+            print(peer_table(a.target))
         if a.json:
             a.json.write_text(json.dumps(results, indent=1))
         return 1 if spills else 0
