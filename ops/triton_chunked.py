@@ -51,6 +51,23 @@ def round_bf16_rtne(y):
     return (u >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
+@jit
+def load_updated_prefix(p_ptrs, d_ptrs, mask, HAS_DELTA: tl.constexpr,
+                        BF16_SOFT_RTNE: tl.constexpr):
+    """The prefix at ``p_ptrs``; with a delta, ``round(prefix + delta)`` (the sum in fp32,
+    rounded once to the prefix's dtype), stored back in place before it is returned."""
+    x = tl.load(p_ptrs, mask=mask, other=0.0)
+    if HAS_DELTA:
+        d = tl.load(d_ptrs, mask=mask, other=0.0)
+        x = x.to(tl.float32) + d.to(tl.float32)
+        if BF16_SOFT_RTNE:
+            x = round_bf16_rtne(x)
+        else:
+            x = x.to(p_ptrs.dtype.element_ty)
+        tl.store(p_ptrs, x, mask=mask)
+    return x
+
+
 def _attn_res_chunked_kernel(
     prefix_ptr,
     delta_ptr,
@@ -96,15 +113,8 @@ def _attn_res_chunked_kernel(
     for c in range(0, H, CHUNK):
         cols = c + lanes
         hmask = cols < H
-        x = tl.load(p_row + cols, mask=hmask, other=0.0)
-        if HAS_DELTA:
-            d = tl.load(delta_ptr + row * stride_d + cols, mask=hmask, other=0.0)
-            x = x.to(tl.float32) + d.to(tl.float32)
-            if BF16_SOFT_RTNE:
-                x = round_bf16_rtne(x)
-            else:
-                x = x.to(prefix_ptr.dtype.element_ty)
-            tl.store(p_row + cols, x, mask=hmask)
+        x = load_updated_prefix(p_row + cols, delta_ptr + row * stride_d + cols, hmask,
+                                HAS_DELTA, BF16_SOFT_RTNE)
         if DO_WRITE:
             tl.store(b_row + skip_idx * slot_stride + cols, x, mask=hmask)
         w = tl.load(norm_w_ptr + cols, mask=hmask, other=0.0).to(tl.float32)

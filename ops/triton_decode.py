@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_chunked import INTERPRETED, jit, round_bf16_rtne
+from .triton_chunked import INTERPRETED, jit, load_updated_prefix, round_bf16_rtne
 
 # The switch: rows per call at or below which a row is split, and the narrowest row split.
 DECODE_MAX_T = 64
@@ -100,16 +100,8 @@ def _decode_stats_kernel(
 
     w = tl.load(norm_w_ptr + cols, mask=hmask, other=0.0).to(tl.float32)
     w = w * tl.load(qk_w_ptr + cols, mask=hmask, other=0.0).to(tl.float32)
-    p_ptrs = prefix_ptr + row * stride_p + cols
-    x = tl.load(p_ptrs, mask=hmask, other=0.0)
-    if HAS_DELTA:
-        d = tl.load(delta_ptr + row * stride_d + cols, mask=hmask, other=0.0)
-        x = x.to(tl.float32) + d.to(tl.float32)
-        if BF16_SOFT_RTNE:
-            x = round_bf16_rtne(x)
-        else:
-            x = x.to(prefix_ptr.dtype.element_ty)
-        tl.store(p_ptrs, x, mask=hmask)
+    x = load_updated_prefix(prefix_ptr + row * stride_p + cols,
+                            delta_ptr + row * stride_d + cols, hmask, HAS_DELTA, BF16_SOFT_RTNE)
     if DO_WRITE:
         tl.store(b_row + skip_idx * slot_stride + cols, x, mask=hmask)
 
