@@ -3,7 +3,9 @@
 One ``@triton.jit`` row kernel serves ``attn_res``, ``attn_res_capture`` and
 ``attn_res_mix``; constexpr flags pick the prefix update, the block write, the
 output norm and which of ``out`` / ``mixed`` are stored. Rows too wide for it
-run the chunked kernel of ``ops/triton_chunked.py`` (``launch_config`` chooses).
+run the chunked kernel of ``ops/triton_chunked.py`` (``launch_config`` chooses), and
+calls of at most 64 rows of H >= 2048 the decode path of ``ops/triton_decode.py``, which
+splits each row over several programs (``takes_decode``; ``triton_route`` forces a route).
 
 One program handles one token row. It reads every source exactly once, with an
 online softmax over depth (running max ``m``, running sum ``l``, fp32
