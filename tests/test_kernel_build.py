@@ -193,6 +193,12 @@ def test_pdl_builds_show_griddepcontrol_and_change_nothing_else():
         assert (on["regs"], on["stack"]) == (off["regs"], off["stack"]), variant
 
 
+# triton 3.6.0's AMD backend (the GPU image's version) spills 6 SGPRs, to VGPR lanes and not
+# to scratch, in the chunked backward with all three gradients at the unaligned H = 8190
+# (BENCHMARKS.md, "AMD MI300", built by hand); 3.8.0 (CI's pin) and 3.9.0 build it clean.
+AMD_BACKWARD_GATE_TRITON = ("3.8.0", "3.9.0")
+
+
 def test_amd_gfx942_builds_have_no_scratch_and_fit_a_workgroup():
     """AMD MI300 (gfx942, 64-wide wavefronts), offline: the launches where CUDA's need most
     registers or threads (the forward's superset at K3's width and chunked, the backward's
@@ -210,7 +216,9 @@ def test_amd_gfx942_builds_have_no_scratch_and_fit_a_workgroup():
         "import json; print(json.dumps([kb.build_hip(*c) for c in json.loads(sys.argv[1])]))",
         json.dumps(cases)))
     for r in results:
-        assert not r["spills"] and r["threads"] <= 1024, r
+        assert r["scratch"] == 0 and r["vgpr_spills"] == 0 and r["threads"] <= 1024, r
+        if not kb.is_backward(r["variant"]) or _triton_version() in AMD_BACKWARD_GATE_TRITON:
+            assert not r["spills"], r
     assert [r["kernel"] for r in results][-3] == "_mix_bwd_chunked_kernel"
 
 
