@@ -52,6 +52,15 @@ def round_bf16_rtne(y):
 
 
 @jit
+def store_rounded(ptrs, y, mask, BF16_SOFT_RTNE: tl.constexpr):
+    """Store fp32 ``y`` in the pointers' dtype (bf16 rounded to nearest even by bits under
+    the interpreter, ``BF16_SOFT_RTNE``)."""
+    if BF16_SOFT_RTNE:
+        y = round_bf16_rtne(y)
+    tl.store(ptrs, y.to(ptrs.dtype.element_ty), mask=mask)
+
+
+@jit
 def load_updated_prefix(p_ptrs, d_ptrs, mask, HAS_DELTA: tl.constexpr,
                         BF16_SOFT_RTNE: tl.constexpr):
     """The prefix at ``p_ptrs``; with a delta, ``round(prefix + delta)`` (the sum in fp32,
@@ -164,19 +173,11 @@ def _attn_res_chunked_kernel(
             acc += tl.sum(tl.where(sidx == j + 1, p, 0.0), axis=0) * v
         mixed = acc * inv_l
         if WRITE_MIX:
-            y = mixed
-            if BF16_SOFT_RTNE:
-                y = round_bf16_rtne(y)
-            tl.store(mix_ptr + row * stride_m + cols, y.to(mix_ptr.dtype.element_ty),
-                     mask=hmask)
+            store_rounded(mix_ptr + row * stride_m + cols, mixed, hmask, BF16_SOFT_RTNE)
         if WRITE_OUT:
-            y = mixed
             if HAS_OUT_NORM:
                 ms += tl.sum(mixed * mixed, axis=0)
-            if BF16_SOFT_RTNE:
-                y = round_bf16_rtne(y)
-            tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty),
-                     mask=hmask)
+            store_rounded(out_ptr + row * stride_o + cols, mixed, hmask, BF16_SOFT_RTNE)
 
     # Pass 4: the output norm over the stored (rounded) mixture.
     if WRITE_OUT:
@@ -189,10 +190,7 @@ def _attn_res_chunked_kernel(
                 o_ptrs = out_ptr + row * stride_o + cols
                 y = tl.load(o_ptrs, mask=hmask, other=0.0).to(tl.float32)
                 ow = tl.load(out_norm_w_ptr + cols, mask=hmask, other=0.0).to(tl.float32)
-                y = y * scale * ow
-                if BF16_SOFT_RTNE:
-                    y = round_bf16_rtne(y)
-                tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=hmask)
+                store_rounded(o_ptrs, y * scale * ow, hmask, BF16_SOFT_RTNE)
 
 
 CHUNKED_KERNEL = jit(_attn_res_chunked_kernel)

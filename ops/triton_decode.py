@@ -32,11 +32,13 @@ static model behind that choice is in docs/design.md ("The decode-shape launch")
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
-from .triton_chunked import INTERPRETED, jit, load_updated_prefix, round_bf16_rtne
+from .triton_chunked import INTERPRETED, jit, load_updated_prefix, store_rounded
 
 # The switch: rows per call at or below which a row is split, and the narrowest row split.
 DECODE_MAX_T = 64
@@ -55,15 +57,45 @@ def takes_decode(T: int, H: int) -> bool:
     return 0 < T <= DECODE_MAX_T and H >= DECODE_MIN_H
 
 
-def decode_config(H: int, slots: int) -> dict:
+class DecodeLaunch(NamedTuple):
+    """The decode path's launch at one row width: the grid's second dimension, the warps,
+    and the constexprs each of its kernels takes (A: ``stats``, B: ``mix``, C: ``norm``)."""
+
+    n_splits: int
+    num_warps: int
+    stats: dict
+    mix: dict
+    norm: dict
+
+
+def decode_config(H: int, slots: int) -> DecodeLaunch:
     """Launch constants of the decode path at row width ``H`` with a bank of ``slots``."""
     slice_ = triton.next_power_of_2(-(-H // 16))
     slice_ = min(DECODE_MAX_SLICE, max(DECODE_MIN_SLICE, slice_))
     n_splits = -(-H // slice_)
-    block_s = triton.next_power_of_2(slots + 1)
-    src_tile = max(1, min(DECODE_TILE // slice_, triton.next_power_of_2(max(slots, 1))))
-    return dict(n_splits=n_splits, SLICE=slice_, SRC_TILE=src_tile, BLOCK_S=block_s,
-                SPLITS_P2=triton.next_power_of_2(n_splits), num_warps=DECODE_WARPS)
+    tile = dict(SLICE=slice_, BLOCK_S=triton.next_power_of_2(slots + 1),
+                SRC_TILE=max(1, min(DECODE_TILE // slice_, triton.next_power_of_2(max(slots, 1)))))
+    splits_p2 = triton.next_power_of_2(n_splits)
+    return DecodeLaunch(n_splits, DECODE_WARPS, stats=tile, mix=dict(tile, SPLITS_P2=splits_p2),
+                        norm=dict(SLICE=slice_, SPLITS_P2=splits_p2))
+
+
+@jit
+def _row_slice(H, SLICE: tl.constexpr):
+    """This program's row (int64), slice index, columns and column mask."""
+    split = tl.program_id(1)
+    cols = split * SLICE + tl.arange(0, SLICE)
+    return tl.program_id(0).to(tl.int64), split, cols, cols < H
+
+
+@jit
+def _block_tile(b_row, j, cols, H, num_blocks, skip_idx, slot_stride):
+    """Block sources ``j`` (a vector) of a row's slice, fp32: zeros past ``num_blocks`` and
+    for the written slot (not read; its value is the prefix's)."""
+    # A column limit per source (vector against vector: see the row kernel's masks).
+    lim = tl.where((j != skip_idx) & (j < num_blocks), H, 0)
+    return tl.load(b_row + j[:, None].to(tl.int64) * slot_stride + cols[None, :],
+                   mask=cols[None, :] < lim[:, None], other=0.0).to(tl.float32)
 
 
 def _decode_stats_kernel(
@@ -91,11 +123,8 @@ def _decode_stats_kernel(
 ):
     if LAUNCH_PDL:  # as the row kernel (triton_kernels.pdl_launch)
         tl.extra.cuda.gdc_wait()
-    row = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
+    row, split, cols, hmask = _row_slice(H, SLICE)
     slot_stride = tl.cast(stride_bn, tl.int64)
-    cols = split * SLICE + tl.arange(0, SLICE)
-    hmask = cols < H
     b_row = blocks_ptr + row * stride_bt
 
     w = tl.load(norm_w_ptr + cols, mask=hmask, other=0.0).to(tl.float32)
@@ -114,10 +143,7 @@ def _decode_stats_kernel(
     tj = tl.arange(0, SRC_TILE)
     for j0 in range(0, num_blocks, SRC_TILE):
         j = j0 + tj
-        # A column limit per source (vector against vector: see the row kernel's masks).
-        lim = tl.where((j != skip_idx) & (j < num_blocks), H, 0)
-        v = tl.load(b_row + j[:, None].to(tl.int64) * slot_stride + cols[None, :],
-                    mask=cols[None, :] < lim[:, None], other=0.0).to(tl.float32)
+        v = _block_tile(b_row, j, cols, H, num_blocks, skip_idx, slot_stride)
         dot, ssq = tl.split(tl.sum(tl.join(v * w[None, :], v * v), axis=1))
         # The written slot holds the rounded prefix: its partial sums are the prefix's.
         dot = tl.where(j == skip_idx, dot0, dot)
@@ -158,11 +184,8 @@ def _decode_mix_kernel(
 ):
     if LAUNCH_PDL:  # waits for launch A's stores (its whole grid)
         tl.extra.cuda.gdc_wait()
-    row = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
+    row, split, cols, hmask = _row_slice(H, SLICE)
     slot_stride = tl.cast(stride_bn, tl.int64)
-    cols = split * SLICE + tl.arange(0, SLICE)
-    hmask = cols < H
     b_row = blocks_ptr + row * stride_bt
 
     # The row's partial sums, summed over the splits in one fixed order.
@@ -185,9 +208,7 @@ def _decode_mix_kernel(
     tj = tl.arange(0, SRC_TILE)
     for j0 in range(0, num_blocks, SRC_TILE):
         j = j0 + tj
-        lim = tl.where((j != skip_idx) & (j < num_blocks), H, 0)
-        v = tl.load(b_row + j[:, None].to(tl.int64) * slot_stride + cols[None, :],
-                    mask=cols[None, :] < lim[:, None], other=0.0).to(tl.float32)
+        v = _block_tile(b_row, j, cols, H, num_blocks, skip_idx, slot_stride)
         v = tl.where((j == skip_idx)[:, None], xf[None, :], v)
         pj = tl.sum(tl.where(sidx[None, :] == (j + 1)[:, None], p[None, :], 0.0), axis=1)
         acc += tl.sum(pj[:, None] * v, axis=0)
@@ -195,20 +216,13 @@ def _decode_mix_kernel(
         tl.extra.cuda.gdc_launch_dependents()
 
     if WRITE_MIX:
-        y = acc
-        if BF16_SOFT_RTNE:
-            y = round_bf16_rtne(y)
-        tl.store(mix_ptr + row * stride_m + cols, y.to(mix_ptr.dtype.element_ty), mask=hmask)
+        store_rounded(mix_ptr + row * stride_m + cols, acc, hmask, BF16_SOFT_RTNE)
     if WRITE_OUT:
         if HAS_OUT_NORM:  # launch C normalises the fp32 mixture by the whole row's mean square
             tl.store(part_ptr + row * H + cols, acc, mask=hmask)
             tl.store(ms_ptr + row * n_splits + split, tl.sum(acc * acc, axis=0))
         else:
-            y = acc
-            if BF16_SOFT_RTNE:
-                y = round_bf16_rtne(y)
-            tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty),
-                     mask=hmask)
+            store_rounded(out_ptr + row * stride_o + cols, acc, hmask, BF16_SOFT_RTNE)
 
 
 def _decode_norm_kernel(
@@ -227,20 +241,15 @@ def _decode_norm_kernel(
 ):
     if LAUNCH_PDL:  # waits for launch B's stores
         tl.extra.cuda.gdc_wait()
-    row = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    cols = split * SLICE + tl.arange(0, SLICE)
-    hmask = cols < H
+    row, split, cols, hmask = _row_slice(H, SLICE)
     sp = tl.arange(0, SPLITS_P2)
     ms = tl.sum(tl.load(ms_ptr + row * n_splits + sp, mask=sp < n_splits, other=0.0), axis=0)
     mixed = tl.load(part_ptr + row * H + cols, mask=hmask, other=0.0)
     ow = tl.load(out_norm_w_ptr + cols, mask=hmask, other=0.0).to(tl.float32)
     if LAUNCH_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    y = mixed * tl.rsqrt(ms / H + out_eps) * ow
-    if BF16_SOFT_RTNE:
-        y = round_bf16_rtne(y)
-    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=hmask)
+    store_rounded(out_ptr + row * stride_o + cols, mixed * tl.rsqrt(ms / H + out_eps) * ow,
+                  hmask, BF16_SOFT_RTNE)
 
 
 STATS_KERNEL = jit(_decode_stats_kernel)
@@ -254,32 +263,29 @@ def launch_decode(a, out, mixed, skip_idx: int, pdl: bool) -> None:
     prefix, delta, blocks = a.prefix, a.delta, a.blocks
     T, H = prefix.shape
     cfg = decode_config(H, blocks.shape[1])
-    n_splits = cfg.pop("n_splits")
-    num_warps = cfg.pop("num_warps")
     dev = prefix.device
-    stats = torch.empty(T * n_splits * 2 * cfg["BLOCK_S"], dtype=torch.float32, device=dev)
+    stats = torch.empty(T * cfg.n_splits * 2 * cfg.stats["BLOCK_S"], dtype=torch.float32,
+                        device=dev)
     norm = out is not None and a.output_norm_weight is not None
     part = torch.empty(T * H, dtype=torch.float32, device=dev) if norm else stats
-    ms = torch.empty(T * n_splits, dtype=torch.float32, device=dev) if norm else stats
-    rtne = INTERPRETED and prefix.dtype == torch.bfloat16
+    ms = torch.empty(T * cfg.n_splits, dtype=torch.float32, device=dev) if norm else stats
     extra = dict(LAUNCH_PDL=True, launch_pdl=True) if pdl else {}
-    grid = (T, n_splits)
-    common = dict(BF16_SOFT_RTNE=rtne, SLICE=cfg["SLICE"], num_warps=num_warps, **extra)
+    grid = (T, cfg.n_splits)
+    common = dict(BF16_SOFT_RTNE=INTERPRETED and prefix.dtype == torch.bfloat16,
+                  num_warps=cfg.num_warps, **extra)
     STATS_KERNEL[grid](
         prefix, delta if delta is not None else prefix, blocks, a.norm_weight, a.qk_weight,
-        stats, H, a.num_blocks, skip_idx, n_splits, prefix.stride(0),
+        stats, H, a.num_blocks, skip_idx, cfg.n_splits, prefix.stride(0),
         delta.stride(0) if delta is not None else 0, blocks.stride(0), blocks.stride(1),
-        HAS_DELTA=delta is not None, DO_WRITE=a.block_write_idx >= 0,
-        SRC_TILE=cfg["SRC_TILE"], BLOCK_S=cfg["BLOCK_S"], **common)
+        HAS_DELTA=delta is not None, DO_WRITE=a.block_write_idx >= 0, **cfg.stats, **common)
     MIX_KERNEL[grid](
         prefix, blocks, stats, out if out is not None else prefix,
-        mixed if mixed is not None else prefix, part, ms, H, a.num_blocks, skip_idx, n_splits,
-        prefix.stride(0), blocks.stride(0), blocks.stride(1),
+        mixed if mixed is not None else prefix, part, ms, H, a.num_blocks, skip_idx,
+        cfg.n_splits, prefix.stride(0), blocks.stride(0), blocks.stride(1),
         out.stride(0) if out is not None else 0, mixed.stride(0) if mixed is not None else 0,
         float(a.eps), HAS_OUT_NORM=norm, WRITE_OUT=out is not None,
-        WRITE_MIX=mixed is not None, SRC_TILE=cfg["SRC_TILE"], BLOCK_S=cfg["BLOCK_S"],
-        SPLITS_P2=cfg["SPLITS_P2"], **common)
+        WRITE_MIX=mixed is not None, **cfg.mix, **common)
     if norm:
         NORM_KERNEL[grid](
-            a.output_norm_weight, out, part, ms, H, n_splits, out.stride(0),
-            float(a.output_norm_eps), SPLITS_P2=cfg["SPLITS_P2"], **common)
+            a.output_norm_weight, out, part, ms, H, cfg.n_splits, out.stride(0),
+            float(a.output_norm_eps), **cfg.norm, **common)

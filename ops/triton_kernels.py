@@ -54,6 +54,7 @@ already round-to-nearest-even). That keeps the in-place prefix update bit-exact.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -61,7 +62,7 @@ import triton
 import triton.language as tl
 
 from .attn_res_args import AttnResArgs
-from .triton_chunked import CHUNKED_KERNEL, INTERPRETED, jit, round_bf16_rtne
+from .triton_chunked import CHUNKED_KERNEL, INTERPRETED, jit, round_bf16_rtne, store_rounded
 from .triton_decode import launch_decode, takes_decode
 from .validate import AttnResArgumentError, validate_sources
 
@@ -175,19 +176,14 @@ def _attn_res_kernel(
         # gdc_wait still waits for this grid to finish and its stores to land).
         tl.extra.cuda.gdc_launch_dependents()
     if WRITE_MIX:
-        y = mixed
-        if BF16_SOFT_RTNE:
-            y = round_bf16_rtne(y)
-        tl.store(mix_ptr + row * stride_m + cols, y.to(mix_ptr.dtype.element_ty), mask=hmask)
+        store_rounded(mix_ptr + row * stride_m + cols, mixed, hmask, BF16_SOFT_RTNE)
     if WRITE_OUT:
         y = mixed
         if HAS_OUT_NORM:
             ow = tl.load(out_norm_w_ptr + cols, mask=hmask, other=0.0).to(tl.float32)
             ms = tl.sum(mixed * mixed, axis=0) / H
             y = mixed * tl.rsqrt(ms + out_eps) * ow
-        if BF16_SOFT_RTNE:
-            y = round_bf16_rtne(y)
-        tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=hmask)
+        store_rounded(out_ptr + row * stride_o + cols, y, hmask, BF16_SOFT_RTNE)
 
 
 _KERNEL = jit(_attn_res_kernel)
@@ -281,12 +277,12 @@ def _launch(a: AttnResArgs, out, mixed, route: str | None = None) -> None:
         )
     route = triton_route(route)
     pdl = pdl_launch(prefix.device)
+    # The interpreter runs on any device (staging through host memory); compiled kernels
+    # launch on the tensors' GPU.
+    on_device = contextlib.nullcontext() if INTERPRETED else torch.cuda.device(prefix.device)
     if route == "decode" or (route == "auto" and takes_decode(T, H)):
-        if INTERPRETED:
+        with on_device:
             launch_decode(a, out, mixed, skip_idx, pdl)
-        else:
-            with torch.cuda.device(prefix.device):
-                launch_decode(a, out, mixed, skip_idx, pdl)
         return
     args = (
         prefix,
@@ -324,11 +320,8 @@ def _launch(a: AttnResArgs, out, mixed, route: str | None = None) -> None:
         BF16_SOFT_RTNE=INTERPRETED and prefix.dtype == torch.bfloat16,
         **cfg,
     )
-    if INTERPRETED:
-        kernel[(T,)](*args, **flags)  # any device: the interpreter stages through host memory
-    else:
-        with torch.cuda.device(prefix.device):
-            kernel[(T,)](*args, **flags)
+    with on_device:
+        kernel[(T,)](*args, **flags)
 
 
 # The public launches take the op's arguments as the op does (positional or by name), and

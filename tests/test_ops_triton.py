@@ -460,7 +460,8 @@ def decode(monkeypatch):
     monkeypatch.setenv("KIMI_PASSES_TRITON_ROUTE", "decode")
     monkeypatch.setattr(td, "DECODE_MIN_SLICE", 32)
     monkeypatch.setattr(td, "DECODE_TILE", 64)
-    assert td.decode_config(100, 9)["n_splits"] == 4 and td.decode_config(100, 9)["SRC_TILE"] == 2
+    cfg = td.decode_config(100, 9)
+    assert cfg.n_splits == 4 and cfg.stats["SRC_TILE"] == 2
 
 
 DECODE_GRID = [(torch.float32, 4, 6, True, True), (torch.bfloat16, 9, 8, True, True),
@@ -501,7 +502,7 @@ def test_decode_switch_point():
     assert not td.takes_decode(65, 7168) and not td.takes_decode(1, 2047)
     assert not td.takes_decode(0, 7168)
     for T in (1, 8, 64):  # K3's shape: at least min(132, 8 T) programs share a call
-        assert T * td.decode_config(7168, 8)["n_splits"] >= min(132, 8 * T)
+        assert T * td.decode_config(7168, 8).n_splits >= min(132, 8 * T)
 
 
 def test_auto_route_launches_the_decode_path(monkeypatch):

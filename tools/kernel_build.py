@@ -49,6 +49,7 @@ Against it, Little's law: an H200 at ~4.8 TB/s with ~0.8 us of load latency need
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -124,6 +125,14 @@ def is_decode(variant: str) -> bool:
     return variant.startswith("dec-")
 
 
+def _op(variant: str) -> str:
+    """What a variant builds: ``forward``, ``backward`` or the decode launch (``dec-stats``,
+    ``dec-mix``, ``dec-norm``)."""
+    if is_backward(variant):
+        return "backward"
+    return variant.split(":")[0] if is_decode(variant) else "forward"
+
+
 # CI subset. Registers are not monotone in the flags (ptxas: in the full matrix the variant
 # with the most registers differs from width to width), so where a spill is a risk CI builds
 # every variant: BLOCK_H = 8192, whose 512 threads cap a thread at 128 registers (H = 7168
@@ -165,13 +174,10 @@ def launch(variant: str, dtype: str, H: int, warp_size: int = 32):
         from kimi_passes.ops import triton_decode as td
 
         cfg = td.decode_config(H, SLOTS)
-        del cfg["n_splits"]
-        if variant.startswith("dec-stats"):
-            del cfg["SPLITS_P2"]
-            return td.STATS_KERNEL, cfg
-        if variant.startswith("dec-mix"):
-            return td.MIX_KERNEL, cfg
-        return td.NORM_KERNEL, {k: cfg[k] for k in ("SLICE", "SPLITS_P2", "num_warps")}
+        kernel, consts = {"dec-stats": (td.STATS_KERNEL, cfg.stats),
+                          "dec-mix": (td.MIX_KERNEL, cfg.mix),
+                          "dec-norm": (td.NORM_KERNEL, cfg.norm)}[_op(variant)]
+        return kernel, dict(consts, num_warps=cfg.num_warps)
     extra = {"warp_size": warp_size} if is_backward(variant) else {}
     return tk.launch_config(H, getattr(torch, dtype), aligned=H % 16 == 0, slots=SLOTS, **extra)
 
@@ -212,11 +218,13 @@ def _hip_usage(kernel, variant: str) -> dict:
 VLLM_AMD_KERNEL = "vllm/models/kimi_k3/amd/ops/attn_res.py"
 
 
+@functools.cache
 def _vllm_amd_kernel():
     """vLLM's AMD K3 ``_attn_res_kernel``, read from the installed vLLM's file. Importing the
     module would not do on a machine without a GPU: vLLM's ``triton_utils`` then hands out
     placeholders for ``triton`` / ``tl``. So its two vLLM imports are replaced by triton's
-    (the kernel uses no other vLLM name) and the file is loaded from a temporary copy."""
+    (the kernel uses no other vLLM name) and the file is loaded from a temporary copy, once
+    a process: a new load is a new ``triton.jit`` function."""
     import importlib.util
 
     spec = importlib.util.find_spec("vllm")
@@ -462,9 +470,7 @@ def summary(results: list[dict]) -> str:
     """Per (target, dtype, H): the worst variant's registers, stack, residency, bytes."""
     groups: dict[tuple, list[dict]] = {}
     for r in results:
-        v = r["variant"]
-        op = "backward" if is_backward(v) else v.split(":")[0] if is_decode(v) else "forward"
-        groups.setdefault((r["sm"], r["dtype"], r["H"], op), []).append(r)
+        groups.setdefault((r["sm"], r["dtype"], r["H"], _op(r["variant"])), []).append(r)
     lines = ["| sm | dtype | H | op | kernel | warps | rows ahead | regs (max) | stack (max) | "
              "programs/SM (min) | KB in flight/SM (min) | variants |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -497,17 +503,18 @@ def decode_static(results: list[dict], H: int = 7168, dtype: str = "bfloat16", s
 
     row, stats = one("capture+delta+write+norm"), one("dec-stats:delta+write")
     cfg = td.decode_config(H, nb)
+    tile = cfg.stats
     elem = _ELEM_BYTES[dtype]
     out = []
     for T in tokens:
-        row_progs, dec_progs = T, T * cfg["n_splits"]
+        row_progs, dec_progs = T, T * cfg.n_splits
         row_live = min(row_progs, H200_SMS * row["resident"])
         dec_live = min(dec_progs, H200_SMS * stats["resident"])
         out.append(dict(
             T=T, row_programs=row_progs, decode_programs=dec_progs,
             row_sms=min(T, H200_SMS), decode_sms=min(dec_progs, H200_SMS),
             row_in_flight_kb=row_live * min(row["prefetch"], nb) * H * elem / 1024,
-            decode_in_flight_kb=dec_live * min(cfg["SRC_TILE"], nb) * cfg["SLICE"] * elem / 1024,
+            decode_in_flight_kb=dec_live * min(tile["SRC_TILE"], nb) * tile["SLICE"] * elem / 1024,
             source_kb=T * (nb + 1) * H * elem / 1024))
     return out
 
@@ -541,9 +548,7 @@ def hip_summary(results: list[dict]) -> str:
     """Per (op, dtype, H): the worst variant's VGPRs, SGPRs, scratch, waves per SIMD."""
     groups: dict[tuple, list[dict]] = {}
     for r in results:
-        v = r["variant"]
-        op = "backward" if is_backward(v) else v.split(":")[0] if is_decode(v) else "forward"
-        groups.setdefault((op, r["dtype"], r["H"]), []).append(r)
+        groups.setdefault((_op(r["variant"]), r["dtype"], r["H"]), []).append(r)
     lines = ["| op | dtype | H | kernel, warps (threads) | VGPRs (max) | SGPRs (max) | "
              "scratch B (max) | waves/SIMD (min) | variants |",
              "|---|---|---|---|---|---|---|---|---|"]
