@@ -32,7 +32,6 @@ import operator
 
 import torch
 import torch.utils._pytree as pytree
-from torch._inductor.pattern_matcher import fwd_only
 from torch.fx import Graph, Node
 
 from kimi_passes.lowering import decompositions as dec
@@ -147,6 +146,10 @@ def _inline(graph: Graph, anchor: Node, fn, args, const: dict) -> list:
         given = iter(tensors)
         filled = [next(given) if isinstance(x, Node) else x for x in leaves]
         return fn(*pytree.tree_unflatten(filled, spec), **const)
+
+    # Imported here: Inductor's pattern matcher costs `import kimi_passes` about 0.9 s,
+    # and only a compile reaches this.
+    from torch._inductor.pattern_matcher import fwd_only
 
     vals = [n.meta["val"] for n in inputs]
     mode = torch._guards.detect_fake_mode(vals)
