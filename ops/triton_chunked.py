@@ -52,28 +52,37 @@ def round_bf16_rtne(y):
 
 
 @jit
-def store_rounded(ptrs, y, mask, BF16_SOFT_RTNE: tl.constexpr):
-    """Store fp32 ``y`` in the pointers' dtype (bf16 rounded to nearest even by bits under
-    the interpreter, ``BF16_SOFT_RTNE``)."""
+def rounded(y, ptrs, BF16_SOFT_RTNE: tl.constexpr):
+    """fp32 ``y`` in the pointers' dtype (bf16 rounded to nearest even by bits under the
+    interpreter, ``BF16_SOFT_RTNE``)."""
     if BF16_SOFT_RTNE:
         y = round_bf16_rtne(y)
-    tl.store(ptrs, y.to(ptrs.dtype.element_ty), mask=mask)
+    return y.to(ptrs.dtype.element_ty)
+
+
+@jit
+def store_rounded(ptrs, y, mask, BF16_SOFT_RTNE: tl.constexpr):
+    """Store fp32 ``y`` in the pointers' dtype, rounded once."""
+    tl.store(ptrs, rounded(y, ptrs, BF16_SOFT_RTNE), mask=mask)
+
+
+@jit
+def add_delta_in_place(x, p_ptrs, d_ptrs, mask, BF16_SOFT_RTNE: tl.constexpr):
+    """``round(x + delta)`` for the prefix ``x`` loaded from ``p_ptrs`` (the sum in fp32,
+    rounded once to the prefix's dtype), stored back in place and returned."""
+    d = tl.load(d_ptrs, mask=mask, other=0.0)
+    x = rounded(x.to(tl.float32) + d.to(tl.float32), p_ptrs, BF16_SOFT_RTNE)
+    tl.store(p_ptrs, x, mask=mask)
+    return x
 
 
 @jit
 def load_updated_prefix(p_ptrs, d_ptrs, mask, HAS_DELTA: tl.constexpr,
                         BF16_SOFT_RTNE: tl.constexpr):
-    """The prefix at ``p_ptrs``; with a delta, ``round(prefix + delta)`` (the sum in fp32,
-    rounded once to the prefix's dtype), stored back in place before it is returned."""
+    """The prefix at ``p_ptrs``; with a delta, updated in place (``add_delta_in_place``)."""
     x = tl.load(p_ptrs, mask=mask, other=0.0)
     if HAS_DELTA:
-        d = tl.load(d_ptrs, mask=mask, other=0.0)
-        x = x.to(tl.float32) + d.to(tl.float32)
-        if BF16_SOFT_RTNE:
-            x = round_bf16_rtne(x)
-        else:
-            x = x.to(p_ptrs.dtype.element_ty)
-        tl.store(p_ptrs, x, mask=mask)
+        x = add_delta_in_place(x, p_ptrs, d_ptrs, mask, BF16_SOFT_RTNE)
     return x
 
 

@@ -62,7 +62,7 @@ import triton
 import triton.language as tl
 
 from .attn_res_args import AttnResArgs
-from .triton_chunked import CHUNKED_KERNEL, INTERPRETED, jit, round_bf16_rtne, store_rounded
+from .triton_chunked import CHUNKED_KERNEL, INTERPRETED, add_delta_in_place, jit, store_rounded
 from .triton_decode import launch_decode, takes_decode
 from .validate import AttnResArgumentError, validate_sources
 
@@ -123,15 +123,10 @@ def _attn_res_kernel(
         lim = tl.where((skip_idx != 2) & (num_blocks > 2), H, 0)
         v_next3 = tl.load(b_row + 2 * slot_stride + cols, mask=cols < lim, other=0.0)
 
-    if HAS_DELTA:
-        d = tl.load(delta_ptr + row * stride_d + cols, mask=hmask, other=0.0)
-        # Round to the storage dtype before the value is stored, written or mixed.
-        x = x.to(tl.float32) + d.to(tl.float32)
-        if BF16_SOFT_RTNE:
-            x = round_bf16_rtne(x)
-        else:
-            x = x.to(prefix_ptr.dtype.element_ty)
-        tl.store(p_ptrs, x, mask=hmask)
+    if HAS_DELTA:  # loaded after the sources above: their loads are in flight meanwhile
+        # Rounded to the storage dtype before the value is stored, written or mixed.
+        x = add_delta_in_place(x, p_ptrs, delta_ptr + row * stride_d + cols, hmask,
+                               BF16_SOFT_RTNE)
     if DO_WRITE:
         tl.store(b_row + skip_idx * slot_stride + cols, x, mask=hmask)
 

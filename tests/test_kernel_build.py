@@ -33,9 +33,7 @@ def _triton_version() -> str | None:
 
 
 def _compiled_env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the launch default; silences a warning
-    return env
+    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
 
 def compiled_run(code: str, *args: str) -> str:

@@ -182,6 +182,17 @@ def launch(variant: str, dtype: str, H: int, warp_size: int = 32):
     return tk.launch_config(H, getattr(torch, dtype), aligned=H % 16 == 0, slots=SLOTS, **extra)
 
 
+def _compile(src, backend: str, arch, warp_size: int, **options):
+    """``triton.compile`` for ``GPUTarget(backend, arch, warp_size)``. Triton's launch
+    default for fp fusion is stated: Triton's cache key counts TRITON_DEFAULT_FP_FUSION, so
+    a build made by any process (CI's build step, the tests' run of the tool) is one entry."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    return triton.compile(src, target=GPUTarget(backend, arch, warp_size), options=options)
+
+
 HIP_ARCH = "gfx942"  # MI300X / MI300A (CDNA3): 64-wide wavefronts
 
 
@@ -189,13 +200,9 @@ def build_hip(variant: str, dtype: str, H: int, arch: str = HIP_ARCH) -> dict:
     """Compile one variant for AMD ``arch`` as the op launches it there (64-wide wavefronts)
     and read the ``amdgcn`` listing's resource lines: VGPRs, SGPRs, their spill counts,
     scratch (a spill) and the waves per SIMD the compiler reports (``Occupancy``)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-
     fn, cfg = launch(variant, dtype, H, warp_size=64)
     src, num_warps, _ = _ast_source(fn, cfg, variant, dtype, H)
-    kernel = triton.compile(src, target=GPUTarget("hip", arch, 64),
-                            options=dict(num_warps=num_warps))
+    kernel = _compile(src, "hip", arch, 64, num_warps=num_warps)
     return dict(variant=variant, dtype=dtype, H=H, arch=arch, kernel=fn.fn.__name__,
                 num_warps=num_warps, threads=64 * num_warps, **_hip_usage(kernel, variant))
 
@@ -257,7 +264,6 @@ def build_vllm_amd(dtype: str, H: int, tokens: int, arch: str = HIP_ARCH, nb: in
     counts are constexprs there): 4 sources a tile and 8 warps below 256 tokens, else 1 and 4.
     Needs vLLM installed (``bash tools/install_vllm.sh``)."""
     import triton
-    from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     fn = _vllm_amd_kernel()
@@ -277,8 +283,7 @@ def build_vllm_amd(dtype: str, H: int, tokens: int, arch: str = HIP_ARCH, nb: in
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=fn, signature=signature, attrs=attrs,
                     constexprs={(fn.arg_names.index(k),): v for k, v in values.items()})
-    kernel = triton.compile(src, target=GPUTarget("hip", arch, 64),
-                            options=dict(num_warps=num_warps, num_stages=2))
+    kernel = _compile(src, "hip", arch, 64, num_warps=num_warps, num_stages=2)
     return dict(variant=f"vllm-amd:{'decode' if block_l > 1 else 'prefill'}", dtype=dtype, H=H,
                 arch=arch, kernel="vllm " + fn.fn.__name__, num_warps=num_warps,
                 threads=64 * num_warps, **_hip_usage(kernel, "vllm-amd"))
@@ -367,13 +372,9 @@ def _ast_source(fn, cfg: dict, variant: str, dtype: str, H: int):
 
 def build_config(fn, cfg: dict, variant: str, dtype: str, H: int, cc: int) -> dict:
     """Compile ``fn`` with constexprs and ``num_warps`` ``cfg``; its resources and estimate."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-
     src, num_warps, constexprs = _ast_source(fn, cfg, variant, dtype, H)
     t0 = time.perf_counter()
-    kernel = triton.compile(src, target=GPUTarget("cuda", cc, 32),
-                            options=dict(num_warps=num_warps))
+    kernel = _compile(src, "cuda", cc, 32, num_warps=num_warps)
     seconds = time.perf_counter() - t0
     use = resource_usage(kernel.asm["cubin"])
     pdl = None
@@ -589,9 +590,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--from-json", type=Path, help="print the tables of an earlier --json")
     a = ap.parse_args(argv)
-    # Triton's launch default, stated: its cache key counts the variable, so a run of the
-    # tool and the test's run of it (tests/test_kernel_build.py) share each cached build.
-    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     t0 = time.perf_counter()
     if a.target != "nvidia":
         results = (json.loads(a.from_json.read_text()) if a.from_json
