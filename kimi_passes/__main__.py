@@ -182,7 +182,7 @@ def _run(args, cfg, stages) -> int:
     from kimi_passes import AuxCaptureError, make_kimi_backend
     from kimi_passes.debug import dump, pass_dumps
     from kimi_passes.debug.graph_text import graph_dot
-    from kimi_passes.debug.recording import GraphRecorder
+    from kimi_passes.debug.recording import GraphRecorder, graph_caches_off
     from kimi_passes.graphs import K3Model
 
     tol = TOLERANCE[args.dtype]
@@ -206,7 +206,7 @@ def _run(args, cfg, stages) -> int:
     recorders: list[tuple[str, GraphRecorder]] = []
     output_err = None
     dumping = dump(args.dump) if args.dump else contextlib.nullcontext()
-    with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True), dumping:
+    with torch.no_grad(), graph_caches_off(), dumping:
         inputs, ref_inputs = (ids,), (ids,)
         for start, end in stages:
             name = f"[{start}, {end})"

@@ -42,16 +42,14 @@ def cpu_path(request, monkeypatch):
 @pytest.fixture
 def caches_off():
     """The caches that hand back a compiled graph, off for the test: every compile runs
-    the passes. A module whose tests inspect compiled graphs or count what a pass did
+    the passes (``kimi_passes.debug.recording.graph_caches_off``: Inductor's kernel build
+    cache stays on). A module whose tests inspect compiled graphs or count what a pass did
     uses it (``pytestmark = pytest.mark.usefixtures("caches_off")``): an FX graph or
     AOTAutograd cache hit would hand back a graph without running the passes.
-
-    Inductor's kernel build cache stays on: it is keyed by a kernel's generated source,
-    so a hit (the same C++ kernel in another compile) skips only the C++ compiler, after
-    the passes and codegen have run. (``force_disable_caches`` would turn it off too.)
     """
-    with torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
+    from kimi_passes.debug.recording import graph_caches_off
+
+    with graph_caches_off():
         yield
 
 

@@ -12,14 +12,32 @@ taps the aux-stream pass rewrote. It watches the backend's ``KimiPassManager`` a
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import torch
 from torch.fx import Graph, GraphModule
 
 from kimi_passes.backend import KimiBackend, make_kimi_backend
 from kimi_passes.debug.graph_names import input_names
 from kimi_passes.debug.graph_text import graph_text, kimi_op_counts
 from kimi_passes.passes.manager import PassObserver
+
+
+@contextlib.contextmanager
+def graph_caches_off() -> Iterator[None]:
+    """The caches that hand back a compiled graph (Inductor's FX graph cache, AOTAutograd's
+    cache) off inside the block, so that every compile runs the passes.
+
+    Inductor's kernel build cache stays on: it is keyed by a kernel's generated source, so
+    a hit skips only the C++ compiler, after the passes and codegen have run.
+    ``force_disable_caches`` would turn that off too, and build every kernel (and the
+    compiler's ISA probes) again in a fresh directory on every compile.
+    """
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
 
 
 def copy_graph(graph: Graph) -> Graph:
@@ -71,7 +89,8 @@ class _Recording(PassObserver):
 class GraphRecorder:
     """A ``torch.compile`` backend: ``KimiBackend`` that records each graph around its passes.
 
-    The FX graph cache must be off (``force_disable_caches``) for the passes to run.
+    The graph caches must be off (``graph_caches_off``) for the passes to run on a graph
+    compiled before.
     """
 
     def __init__(self, backend: KimiBackend | None = None, **backend_options):
