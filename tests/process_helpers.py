@@ -11,9 +11,12 @@ imported and nothing compiled, exactly as a fresh process would after its import
 from __future__ import annotations
 
 import json
+import queue
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 _PARENT = r"""
@@ -72,31 +75,87 @@ for line in sys.stdin:
 """
 
 
+class ForkingParent:
+    """A parent process that has imported ``imports`` under ``env`` and forks one child per
+    command, each after the one before it has exited. ``run`` takes commands one at a time
+    (a module's tests can share one parent); ``close`` ends it. Use as a context manager."""
+
+    IMPORT_TIMEOUT_S = 120  # the parent's imports, on top of each command's timeout
+
+    def __init__(self, env: dict, timeout: float,
+                 imports: tuple[str, ...] = ("torch", "kimi_passes")):
+        self._tmp = tempfile.TemporaryDirectory()
+        self._timeout = timeout
+        self._count = 0
+        self._stderr = Path(self._tmp.name) / "parent.err"
+        with open(self._stderr, "w") as err:  # a file: a pipe nobody reads could fill
+            self._proc = subprocess.Popen(
+                [sys.executable, "-c", _PARENT, json.dumps(list(imports)), str(timeout)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env, text=True)
+        self._lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)  # the parent exited
+
+    def _fail(self, why: str) -> None:
+        self._proc.kill()
+        raise AssertionError(f"the forking parent {why}:\n{self._stderr.read_text()[-4000:]}")
+
+    def run(self, cmd: list[str], check: bool = True):
+        """Run ``cmd`` (``[sys.executable, "-c", code, *args]`` or ``[sys.executable, script,
+        *args]``) in a child; its stdout. A non-zero exit fails the test with its stderr;
+        with ``check=False`` the ``subprocess.CompletedProcess`` is returned instead."""
+        assert cmd[0] == sys.executable, cmd
+        i, self._count = self._count, self._count + 1
+        out, err = (Path(self._tmp.name) / f"{i}.{s}" for s in ("out", "err"))
+        try:
+            self._proc.stdin.write(json.dumps({"argv": cmd[1:], "stdout": str(out),
+                                               "stderr": str(err)}) + "\n")
+            self._proc.stdin.flush()
+        except BrokenPipeError:
+            self._fail("exited")
+        # Only the parent's own lines: an import may log to stdout (vLLM does).
+        deadline = time.monotonic() + self._timeout + self.IMPORT_TIMEOUT_S
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                self._fail(f"did not answer in {self._timeout + self.IMPORT_TIMEOUT_S:.0f} s")
+            if line is None:
+                self._fail("exited")
+            if line.startswith('{"rc": '):
+                break
+        rc = json.loads(line)["rc"]
+        if not check:
+            return subprocess.CompletedProcess(cmd, rc, out.read_text(), err.read_text())
+        args = " ".join(a for a in cmd[1:] if len(a) < 80)  # an inline script left out
+        assert rc == 0, f"process {i} ({args}) failed (exit {rc}):\n{err.read_text()[-4000:]}"
+        return out.read_text()
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.stdin.close()
+            try:
+                self._proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> ForkingParent:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def one_after_another(commands: list[list[str]], env: dict, timeout: float,
                       imports: tuple[str, ...] = ("torch", "kimi_passes")) -> list[str]:
-    """Run each command (``[sys.executable, "-c", code, *args]`` or
-    ``[sys.executable, script, *args]``) in a process of its own, one after another, each
-    forked from a parent that has imported ``imports`` under ``env``. Returns each
+    """Run each command in a process of its own, one after another, each forked from a
+    parent that has imported ``imports`` under ``env`` (``ForkingParent``). Returns each
     command's stdout; a non-zero exit fails the test with the command's stderr."""
-    with tempfile.TemporaryDirectory() as tmp:
-        jobs = []
-        for i, cmd in enumerate(commands):
-            assert cmd[0] == sys.executable, cmd
-            jobs.append({"argv": cmd[1:], "stdout": str(Path(tmp) / f"{i}.out"),
-                         "stderr": str(Path(tmp) / f"{i}.err")})
-        parent = subprocess.run(
-            [sys.executable, "-c", _PARENT, json.dumps(list(imports)), str(timeout)],
-            input="".join(json.dumps(j) + "\n" for j in jobs), env=env, text=True,
-            capture_output=True, timeout=60 + timeout * (len(jobs) + 1))
-        assert parent.returncode == 0, f"the forking parent failed:\n{parent.stderr[-4000:]}"
-        # Only the parent's own lines: an import may log to stdout (vLLM does).
-        codes = [json.loads(line)["rc"] for line in parent.stdout.splitlines()
-                 if line.startswith('{"rc": ')]
-        assert len(codes) == len(jobs), parent.stdout
-        outputs = []
-        for i, (cmd, job, rc) in enumerate(zip(commands, jobs, codes, strict=True)):
-            args = " ".join(a for a in cmd[1:] if len(a) < 80)  # an inline script left out
-            stderr = Path(job["stderr"]).read_text()
-            assert rc == 0, f"process {i} ({args}) failed (exit {rc}):\n{stderr[-4000:]}"
-            outputs.append(Path(job["stdout"]).read_text())
-    return outputs
+    with ForkingParent(env, timeout, imports) as parent:
+        return [parent.run(cmd) for cmd in commands]

@@ -3,7 +3,9 @@
 ``tools/kernel_build.py`` compiles the kernel with Triton's bundled ptxas for Hopper and
 Blackwell on this CPU machine and reads registers and stack from the cubin. Triton reads
 TRITON_INTERPRET when it is imported and the test session runs interpreted (conftest), so
-the builds run in a subprocess with TRITON_INTERPRET unset.
+the builds run in other processes with TRITON_INTERPRET unset: each forked from one parent
+that has imported torch, Triton and the kernels (tests/process_helpers.py), since those
+imports are most of a process's time when Triton's cache serves the builds.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from process_helpers import ForkingParent
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOL = ROOT / "tools" / "kernel_build.py"
@@ -36,24 +39,35 @@ def _compiled_env() -> dict:
     return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
 
-def compiled_run(code: str, *args: str) -> str:
-    """Run ``code`` in a compiled-mode interpreter with ``kb`` (tools/kernel_build.py) and
-    ``sys`` imported and ``args`` in ``sys.argv[1:]``; its last line of output."""
-    preamble = f"import sys; sys.path.insert(0, {str(TOOL.parent)!r}); import kernel_build as kb\n"
-    proc = subprocess.run([sys.executable, "-c", preamble + code, *args], env=_compiled_env(),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout.strip().splitlines()[-1]
+@pytest.fixture(scope="module")
+def compiled():
+    """The parent every build process of this module is forked from (compiled mode)."""
+    imports = ("torch", "triton", "kimi_passes.ops.triton_kernels",
+               "kimi_passes.ops.triton_backward")
+    with ForkingParent(_compiled_env(), timeout=900, imports=imports) as parent:
+        yield parent
 
 
 @pytest.fixture(scope="module")
-def ci_results(tmp_path_factory):
+def compiled_run(compiled):
+    """``compiled_run(code, *args)``: run ``code`` in a compiled-mode process with ``kb``
+    (tools/kernel_build.py) and ``sys`` imported and ``args`` in ``sys.argv[1:]``; its
+    last line of output."""
+    preamble = f"import sys; sys.path.insert(0, {str(TOOL.parent)!r}); import kernel_build as kb\n"
+
+    def run(code: str, *args: str) -> str:
+        return compiled.run([sys.executable, "-c", preamble + code, *args]).strip().splitlines()[-1]
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def ci_results(compiled, tmp_path_factory):
     """The tool's CI subset, run here in full. Triton's cache serves a build made before
     with the same source, target, options and compiler (CI builds them in a step of its
     own, .ci/run): the binaries read back are the ones a cold build makes."""
     out = tmp_path_factory.mktemp("kernel_build") / "ci.json"
-    proc = subprocess.run([sys.executable, str(TOOL), "--ci", "--json", str(out)],
-                          env=_compiled_env(), capture_output=True, text=True, timeout=900)
+    proc = compiled.run([sys.executable, str(TOOL), "--ci", "--json", str(out)], check=False)
     if not out.exists():
         pytest.fail(f"tools/kernel_build.py --ci failed (rc {proc.returncode}):\n"
                     f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -118,7 +132,7 @@ SPILL_FACTS_TRITON = "3.9.0"
     (16384, "mix", "float32"),                          # above MAX_ROW_ALIGNED
     (8190, "capture+delta+write+norm", "bfloat16"),     # unaligned, above MAX_ROW_UNALIGNED
 ])
-def test_the_row_kernel_spills_where_launch_config_leaves_it(H, variant, dtype):
+def test_the_row_kernel_spills_where_launch_config_leaves_it(H, variant, dtype, compiled_run):
     """The row kernel past its limits spills (with triton 3.9.0's ptxas), and the build sees
     it: that is why wider rows run the chunked kernel (launch_config), and what the CI
     check would catch."""
@@ -142,7 +156,7 @@ BACKWARD_SPILL_FACTS_TRITON = ("3.8.0", "3.9.0")
 @pytest.mark.skipif(_triton_version() not in BACKWARD_SPILL_FACTS_TRITON,
                     reason=f"where ptxas spills was measured with triton "
                            f"{' and '.join(BACKWARD_SPILL_FACTS_TRITON)}")
-def test_the_backward_row_kernel_spills_where_launch_config_leaves_it():
+def test_the_backward_row_kernel_spills_where_launch_config_leaves_it(compiled_run):
     stack, spills = compiled_run(
         "tb = kb._kernel_module(backward=True); H, v = 8190, 'bwd:dprefix+dblocks+dw'; "
         "assert kb.launch(v, 'bfloat16', H)[0] is tb.CHUNKED_KERNEL; "
@@ -178,7 +192,7 @@ def test_occupancy_model(regs, threads, expected):
     assert kb.occupancy(regs, threads, 0) == expected
 
 
-def test_pdl_builds_show_griddepcontrol_and_change_nothing_else():
+def test_pdl_builds_show_griddepcontrol_and_change_nothing_else(compiled_run):
     """The opt-in programmatic dependent launch (ops/triton_kernels.py ``pdl_launch``): the
     sm_90 build waits and triggers (PTX ``griddepcontrol``, SASS ``ACQBULK`` / ``PREEXIT``)
     with the registers and stack of the default build, which has none of it."""
@@ -203,7 +217,7 @@ def test_pdl_builds_show_griddepcontrol_and_change_nothing_else():
 AMD_BACKWARD_GATE_TRITON = ("3.8.0", "3.9.0")
 
 
-def test_amd_gfx942_builds_have_no_scratch_and_fit_a_workgroup():
+def test_amd_gfx942_builds_have_no_scratch_and_fit_a_workgroup(compiled_run):
     """AMD MI300 (gfx942, 64-wide wavefronts), offline: the launches where CUDA's need most
     registers or threads (the forward's superset at K3's width and chunked, the backward's
     superset at every kernel and warp setting, the decode path's widest slices) build with
@@ -227,7 +241,7 @@ def test_amd_gfx942_builds_have_no_scratch_and_fit_a_workgroup():
 
 
 @pytest.mark.vllm
-def test_vllm_amd_k3_kernel_builds_beside_ours_for_gfx942():
+def test_vllm_amd_k3_kernel_builds_beside_ours_for_gfx942(compiled_run):
     """The peer: vLLM 0.33.0's AMD K3 kernel, read from the installed vLLM and built for
     gfx942 as its launch does at K3's width (bf16, H = 7168), decode (T < 256) and prefill.
     The op's launches there (the row kernel; the decode path's A and B) use fewer VGPRs
