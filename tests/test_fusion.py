@@ -3,6 +3,10 @@
 Graphs are inspected, so the FX graph cache is off for every test here (a cache hit
 would skip the passes). Goldens are the normalised post-pass graph (``graph_text``);
 ``EXPECTTEST_ACCEPT=1`` regenerates them. Each golden also checks op counts and numerics.
+The goldens and the dynamic-shape tests compile to C++ kernels (the fused op lowered into
+generated code); the tests whose subject is what is recognised (more spellings, near
+misses, mean-of-squares spellings) use Inductor's ``aten_fallback`` setting: the same
+post-grad graph and passes, the fused op's own kernel against eager.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ def rnd(*shape, dtype=torch.float32, seed=0, scale=1.0):
 # --------------------------------------------------------------------------- the K3 model
 
 
+@pytest.mark.heavy
 @pytest.mark.usefixtures("aten_fallback")  # the fusion is the subject, not codegen
 def test_k3_torch_mixing_is_fully_fused_and_taps_read_it():
     cfg = K3Config.tiny()
@@ -214,6 +219,7 @@ return (v1,)
         torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
 
 
+    @pytest.mark.heavy
     def test_bf16_k3_site_with_and_without_tap(self):
         """attn_res_torch in bf16 mixes in fp32 before its fp32 output norm.
 
@@ -343,6 +349,7 @@ def whole_bank(bank, query):
     return (p[..., None] * bank).sum(-2)
 
 
+@pytest.mark.usefixtures("aten_fallback")  # recognition is the subject
 @pytest.mark.parametrize("fn,sources", [
     (with_temperature, 4), (linear_bias_dim1, 3), (transposed_sum, 3), (whole_bank, 5)])
 def test_more_spellings_are_fused(fn, sources):
@@ -377,6 +384,7 @@ def other_values(a, b, c, d, query):
     return torch.einsum("tn,tnh->th", p, torch.stack([d, a, b], dim=1))  # other values
 
 
+@pytest.mark.usefixtures("aten_fallback")  # recognition is the subject
 @pytest.mark.parametrize("fn,nargs,reason", [
     (softmax_over_hidden, 3, "softmax over the hidden axis"),
     (other_values, 4, "are not the tensor the logits were computed from"),
@@ -397,6 +405,7 @@ def test_near_miss_is_not_fused_and_logged(fn, nargs, reason, caplog, monkeypatc
     torch.testing.assert_close(out, fn(*args), **FP32)
 
 
+@pytest.mark.usefixtures("aten_fallback")  # recognition is the subject
 def test_fuse_torch_mixing_false_leaves_the_graph_alone():
     args = (rnd(T, 4, H, seed=1), rnd(T, H, seed=2), rnd(H, seed=3))
     out, rec = compile_recorded(bank_manual_norm_matmul, *args, fuse_torch_mixing=False)
@@ -492,6 +501,7 @@ def mean_square_site(spelling: str, hidden: int):
     return fn
 
 
+@pytest.mark.usefixtures("aten_fallback")  # recognition is the subject
 @pytest.mark.parametrize("spelling,hidden,fused", [
     ("mean", H, True),
     ("sum_div_literal", 4096, True),
@@ -520,6 +530,7 @@ def test_mean_of_squares_spellings(spelling, hidden, fused):
     torch.testing.assert_close(out, fn(*args), atol=tol, rtol=tol)
 
 
+@pytest.mark.usefixtures("aten_fallback")  # recognition is the subject
 def test_literal_against_symbolic_hidden_size_is_not_the_mean():
     """``sum / 16`` is the mean only where H is 16: with H symbolic, the site is refused."""
     fn = mean_square_site("sum_div_literal", H)
