@@ -87,6 +87,11 @@ def pytest_collection_modifyitems(config, items):
                                     "name)")
         if missing:
             item.add_marker(skip)
+    # Under pytest-xdist (each worker collects, and all must agree on the order) the tests
+    # marked heavy go out first, after the shared-setup modules below: a 20 s test handed
+    # out last keeps one worker busy while the other has nothing left to run.
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
 
 
 # Modules whose tests share one expensive module-scoped run (three serving processes, a

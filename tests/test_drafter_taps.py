@@ -183,6 +183,7 @@ def processes(tmp_path_factory):
             for out in one_after_another(commands, env, timeout=300)]
 
 
+@pytest.mark.heavy
 def test_drafter_changed_across_processes_sharing_a_cache(processes):
     """speculators #996 across processes: process 2 changes the drafter on the cached model
     (refused, not served process 1's graph), process 3 serves the new drafter's taps,

@@ -81,6 +81,7 @@ def _targets(graph) -> list:
     return [n.target for n in graph.nodes if n.op == "call_function"]
 
 
+@pytest.mark.heavy
 @pytest.mark.codegen
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_site_fused_forward_and_backward(dtype):
@@ -149,6 +150,7 @@ def test_attn_res_package_trains_fused():
     assert n_softmax_exp(bw) < n_softmax_exp(rec_plain.graphs[1])
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("mixing", ["torch", "op"])
 def test_k3_trains_compiled_with_taps(mixing):
     """The reference K3, trainable: with ``mixing="torch"`` every mixing site is fused

@@ -267,6 +267,7 @@ def _log(info):
 
 
 @FUZZ_SETTINGS
+@pytest.mark.heavy
 @seeded(PROFILE, SEED)
 @given(program=programs())
 @example(program=EXPLICIT[0])

@@ -278,6 +278,7 @@ def _module_path(node) -> str:
     return next(reversed(stack.values()))[0] if stack else ""
 
 
+@pytest.mark.heavy
 def test_k3_geometry_traces_functionalizes_and_matches_eager():
     """K3's depth (93 layers) traces as one graph, functionalizes (the bank writes) and
     matches eager. Depth is the subject, so the graph runs through AOTAutograd

@@ -43,6 +43,7 @@ CASES = [(op, g, onorm) for op in ("attn_res", "attn_res_capture") for g in GEOM
          for onorm in (True, False)]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_mutating_ops_compiled_match_eager(dtype):
     argsets = [make_args(5, 32, nb_total, nb, write, dtype, delta=True, onorm=onorm, seed=i)
@@ -119,6 +120,7 @@ def test_mix_list_backward_compiled_matches_eager(dtype):
             torch.testing.assert_close(gi.float(), wi.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("mixing,dynamic", [("op", False), ("torch", True)],
                          ids=["op-static", "torch-dynamic"])
 def test_k3_taps_with_no_kimi_call(mixing, dynamic):
@@ -168,6 +170,7 @@ def test_aux_stream_pass_alone_lowers():
     assert_taps_close(taps, want, torch.float32)
 
 
+@pytest.mark.heavy
 @pytest.mark.codegen
 def test_aoti_package_of_the_reference_k3(tmp_path):
     """AOTInductor export with AuxStreamPass alone: the package's taps are the mixtures."""
@@ -186,6 +189,7 @@ def test_aoti_package_of_the_reference_k3(tmp_path):
                                rtol=OP_TOL[torch.float32])
 
 
+@pytest.mark.heavy
 def test_training_step_lowers_the_backward():
     """K3 training (``mixing="op"``) under kimi_backend: neither the forward nor the
     backward graph calls a kimi op, and the gradients equal eager's."""

@@ -26,6 +26,7 @@ def rows(out: str) -> dict[int, list[str]]:
     return table
 
 
+@pytest.mark.heavy
 def test_default_run(capsys):
     assert main([]) == 0
     out = capsys.readouterr().out

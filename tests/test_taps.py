@@ -64,6 +64,7 @@ def test_taps_match_ground_truth_fp32(L, S):
 
 
 # bf16 codegen of every kimi op is tests/test_lowering.py's dtype matrix.
+@pytest.mark.heavy
 @pytest.mark.parametrize("L,S", geometries([(2, 1), (5, 2), (8, 3)], codegen=None))
 @torch.no_grad()
 def test_taps_match_ground_truth_bf16(L, S):

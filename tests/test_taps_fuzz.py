@@ -276,6 +276,7 @@ def with_explicit(test):
     return test
 
 
+@pytest.mark.heavy
 @MODEL_SETTINGS
 @seeded(PROFILE, SEED)
 @given(case=k3_cases())
