@@ -57,7 +57,9 @@ def assert_exact(a, b):
     assert a.dtype == b.dtype and a.shape == b.shape
     nan = torch.isnan(a)
     assert torch.equal(nan, torch.isnan(b))
-    assert torch.equal(a[~nan], b[~nan])
+    # Zero at the NaNs on both sides, not a[~nan]: a boolean-mask gather was most of
+    # this module's time.
+    assert torch.equal(a.masked_fill(nan, 0), b.masked_fill(nan, 0))
 
 
 def assert_no_alias(outs, ins):
