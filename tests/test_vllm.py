@@ -115,6 +115,13 @@ def compiled(name: str, v2: bool, stream: str, fuse: bool, codegen: bool = False
     icc = compile_config_entries(stream, fuse_capture=fuse)
     if not codegen:
         icc["fallback_by_default"] = True
+    else:
+        # Inductor probes which vector ISAs the compiler builds, once per process, in its
+        # cache directory: here, where the probes are kept like any kernel build, not in
+        # the fresh directory force_disable_caches gives each compile below (6 builds).
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        pick_vec_isa()
     config = h.vllm_config(inductor_compile_config=icc, v2=v2)
     torch._dynamo.reset()
     model = h.compile_k3(cfg, config)
