@@ -37,7 +37,7 @@ if importlib.util.find_spec("vllm") is None:  # test_vllm_required.py fails on C
 import torch  # noqa: E402
 import vllm_harness as h  # noqa: E402
 from op_helpers import OP_TOL  # noqa: E402
-from process_helpers import one_after_another  # noqa: E402
+from process_helpers import INDUCTOR_SETUP, one_after_another  # noqa: E402
 
 from kimi_passes import AuxCaptureError  # noqa: E402
 from kimi_passes.graphs.k3 import K3Config  # noqa: E402
@@ -58,8 +58,10 @@ MODELS = {
 VARIANTS = {"k3_tiny": [("attn_res", True), ("attn_res", False), ("prefix", True)],
             "l3_s1": [("attn_res", True), ("attn_res", False), ("prefix", False)]}
 TOKENS = (9, 5)  # two token counts on one dynamic graph
-# What a serving process imports before it builds its config (vllm_harness.main).
-VLLM_IMPORTS = ("torch", "kimi_passes", "vllm.compilation.decorators", "vllm.config")
+# What a serving process imports before it builds its config (vllm_harness.main), then
+# what its first compile sets up (tests/process_helpers.py).
+VLLM_IMPORTS = ("torch", "kimi_passes", "vllm.compilation.decorators", "vllm.config",
+                *INDUCTOR_SETUP)
 # Every case compiles with Inductor's fallback_by_default, as the golden tests do: the
 # split, the post-grad graph and the passes are a full compile's; the lowering calls ATen
 # instead of building C++ kernels (about 4x cheaper). One case more builds C++ kernels, as
