@@ -3,10 +3,10 @@
 Graphs are inspected, so the FX graph cache is off for every test here (a cache hit
 would skip the passes). Goldens are the normalised post-pass graph (``graph_text``);
 ``EXPECTTEST_ACCEPT=1`` regenerates them. Each golden also checks op counts and numerics.
-The goldens and the dynamic-shape tests compile to C++ kernels (the fused op lowered into
-generated code); the tests whose subject is what is recognised (more spellings, near
-misses, mean-of-squares spellings) use Inductor's ``aten_fallback`` setting: the same
-post-grad graph and passes, the fused op's own kernel against eager.
+The module compiles at Inductor's ``aten_fallback`` setting (what is recognised is the
+subject: the same post-grad graph and passes, the fused op's own kernel against eager);
+the goldens and the dynamic-shape tests, marked ``codegen``, compile to C++ kernels (the
+fused op lowered into generated code).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ EPS = 1e-6
 FP32 = dict(atol=1e-5, rtol=1e-5)
 
 
-pytestmark = pytest.mark.usefixtures("caches_off")
+pytestmark = pytest.mark.usefixtures("caches_off", "aten_fallback")
 
 
 def compile_recorded(fn, *args, **backend_options):
@@ -60,7 +60,6 @@ def rnd(*shape, dtype=torch.float32, seed=0, scale=1.0):
 
 
 @pytest.mark.heavy
-@pytest.mark.usefixtures("aten_fallback")  # the fusion is the subject, not codegen
 def test_k3_torch_mixing_is_fully_fused_and_taps_read_it():
     cfg = K3Config.tiny()
     ids = torch.arange(16) % cfg.vocab_size
@@ -93,7 +92,6 @@ def test_k3_torch_mixing_is_fully_fused_and_taps_read_it():
 # --------------------------------------------------------------------------- attn-res package
 
 
-@pytest.mark.usefixtures("aten_fallback")
 def test_attn_res_package_block_model_is_fused():
     attn_res = pytest.importorskip(
         "attn_res", reason="the attn-res package is not installed (test extra: attn-res==0.1.0)")
@@ -152,6 +150,7 @@ class LinearQueryMix(nn.Module):
         return (p[..., None] * values).sum(0)
 
 
+@pytest.mark.codegen
 class TestGoldens(expecttest.TestCase):
     def test_stack_rmsnorm_einsum(self):
         args = (rnd(T, H, seed=1), rnd(T, H, seed=2), rnd(T, H, seed=3),
@@ -349,7 +348,6 @@ def whole_bank(bank, query):
     return (p[..., None] * bank).sum(-2)
 
 
-@pytest.mark.usefixtures("aten_fallback")  # recognition is the subject
 @pytest.mark.parametrize("fn,sources", [
     (with_temperature, 4), (linear_bias_dim1, 3), (transposed_sum, 3), (whole_bank, 5)])
 def test_more_spellings_are_fused(fn, sources):
@@ -384,7 +382,6 @@ def other_values(a, b, c, d, query):
     return torch.einsum("tn,tnh->th", p, torch.stack([d, a, b], dim=1))  # other values
 
 
-@pytest.mark.usefixtures("aten_fallback")  # recognition is the subject
 @pytest.mark.parametrize("fn,nargs,reason", [
     (softmax_over_hidden, 3, "softmax over the hidden axis"),
     (other_values, 4, "are not the tensor the logits were computed from"),
@@ -405,7 +402,6 @@ def test_near_miss_is_not_fused_and_logged(fn, nargs, reason, caplog, monkeypatc
     torch.testing.assert_close(out, fn(*args), **FP32)
 
 
-@pytest.mark.usefixtures("aten_fallback")  # recognition is the subject
 def test_fuse_torch_mixing_false_leaves_the_graph_alone():
     args = (rnd(T, 4, H, seed=1), rnd(T, H, seed=2), rnd(H, seed=3))
     out, rec = compile_recorded(bank_manual_norm_matmul, *args, fuse_torch_mixing=False)
@@ -501,7 +497,6 @@ def mean_square_site(spelling: str, hidden: int):
     return fn
 
 
-@pytest.mark.usefixtures("aten_fallback")  # recognition is the subject
 @pytest.mark.parametrize("spelling,hidden,fused", [
     ("mean", H, True),
     ("sum_div_literal", 4096, True),
@@ -530,7 +525,6 @@ def test_mean_of_squares_spellings(spelling, hidden, fused):
     torch.testing.assert_close(out, fn(*args), atol=tol, rtol=tol)
 
 
-@pytest.mark.usefixtures("aten_fallback")  # recognition is the subject
 def test_literal_against_symbolic_hidden_size_is_not_the_mean():
     """``sum / 16`` is the mean only where H is 16: with H symbolic, the site is refused."""
     fn = mean_square_site("sum_div_literal", H)
@@ -570,6 +564,7 @@ def _dynamic_args(fn, t: int, seed: int):
              rnd(1, H, seed=seed + 3, scale=0.5)), [(0, 1)] * 3 + [()])
 
 
+@pytest.mark.codegen
 @pytest.mark.parametrize("fn,op", [
     (bank_manual_norm_matmul, "attn_res_mix"),
     (stack_rmsnorm_einsum, "attn_res_mix_list"),
