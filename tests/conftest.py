@@ -1,25 +1,37 @@
 import os
 
 import pytest
-import torch
 
-# Without a GPU the Triton kernel runs on CPU under the interpreter. Triton reads the
-# variable when it is first imported, so one process is either interpreted or compiled:
-# on a GPU machine run the CUDA tests compiled (the default there).
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-# vLLM picks its platform once, on first use, in whichever test imports it first: the
-# harness's CPU platform (tests/vllm_harness.py) for every test in the process.
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-import kimi_passes  # noqa: E402,F401  (registers torch.ops.kimi.*)
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    """Set-up for a process that runs tests. The pytest-xdist controller (``-n``: it hands
+    out tests and runs none) skips it: importing torch there would delay every worker's
+    start by the 3-4 s the import takes."""
+    if config.pluginmanager.has_plugin("dsession"):
+        return
+    import torch
 
-torch.manual_seed(0)
+    # Without a GPU the Triton kernel runs on CPU under the interpreter. Triton reads the
+    # variable when it is first imported, so one process is either interpreted or
+    # compiled: on a GPU machine run the CUDA tests compiled (the default there). Test
+    # modules are imported after this, when they are collected.
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    # vLLM picks its platform once, on first use, in whichever test imports it first: the
+    # harness's CPU platform (tests/vllm_harness.py) for every test in the process.
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+    import kimi_passes  # noqa: F401  (registers torch.ops.kimi.*)
+
+    torch.manual_seed(0)
 
 
 @pytest.fixture(scope="module")
 def one_thread():
     """Small shapes gain nothing from intra-op threads; on a shared machine they stall."""
+    import torch
+
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -65,6 +77,8 @@ def aten_fallback(request):
     if request.node.get_closest_marker("codegen") is not None:
         yield
         return
+    import torch._inductor.config
+
     with torch._inductor.config.patch(fallback_by_default=True):
         yield
 
