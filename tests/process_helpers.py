@@ -6,8 +6,8 @@ disk, not from memory. Importing is most of such a process's time (torch with
 kimi_passes about 5 s, vLLM about 14 s more), so one parent process imports once and
 forks each command after the one before it has exited. A child starts with the modules
 imported and nothing compiled, as a fresh process would after its imports; by default
-also with Inductor imported and its code generators registered (``INDUCTOR_SETUP``), as
-a fresh process would be once its first compile has begun.
+also with Inductor imported, its code generators registered and its CPU patterns traced
+(``INDUCTOR_SETUP``), as a fresh process would be once its first compile has begun.
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ import time
 from pathlib import Path
 
 _PARENT = r"""
-import atexit, importlib, json, os, runpy, sys, time, traceback
+import atexit, importlib.util, json, os, runpy, sys, time, traceback
 
-for name in json.loads(sys.argv[1]):
-    module, _, call = name.partition(":")
-    imported = importlib.import_module(module)
-    if call:
-        getattr(imported, call)()
+# This file's set_up, loaded by path (the children keep this process's sys.path as is).
+spec = importlib.util.spec_from_file_location("process_helpers", sys.argv[3])
+helpers = sys.modules["process_helpers"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(helpers)
+helpers.set_up(json.loads(sys.argv[1]))
 timeout = float(sys.argv[2])
 sys.stdout.flush()
 for line in sys.stdin:
@@ -86,8 +86,33 @@ for line in sys.stdin:
 INDUCTOR_SETUP = ("torch._inductor.compile_fx", "torch._inductor.codegen.cpp",
                   "torch._inductor.codegen.wrapper", "torch._inductor.scheduler",
                   "torch._inductor.lowering", "torch._inductor.decomposition",
-                  "torch._inductor.codegen.common:init_backend_registration")
+                  "torch._inductor.codegen.common:init_backend_registration",
+                  "process_helpers:init_cpu_patterns")
 DEFAULT_IMPORTS = ("torch", "kimi_passes", *INDUCTOR_SETUP)
+
+
+def init_cpu_patterns() -> None:
+    """Inductor's pattern-matcher patterns for CPU graphs (joint-graph and post-grad),
+    traced once per process by its first compile (about 0.5 s), with the arguments that
+    compile passes (the patterns are cached per device)."""
+    import torch
+    from torch._inductor.fx_passes import joint_graph, post_grad
+
+    joint_graph.lazy_init(torch.device("cpu"))
+    post_grad.lazy_init()
+
+
+def set_up(names: tuple[str, ...]) -> None:
+    """In this process, what the forking parent does before it forks: import each of
+    ``names``, and call ``function`` for a ``module:function`` name (for a forkserver's
+    preload, which only imports: tests/rank_preload.py)."""
+    import importlib
+
+    for name in names:
+        module, _, call = name.partition(":")
+        imported = importlib.import_module(module)
+        if call:
+            getattr(imported, call)()
 
 
 class ForkingParent:
@@ -105,7 +130,8 @@ class ForkingParent:
         self._stderr = Path(self._tmp.name) / "parent.err"
         with open(self._stderr, "w") as err:  # a file: a pipe nobody reads could fill
             self._proc = subprocess.Popen(
-                [sys.executable, "-c", _PARENT, json.dumps(list(imports)), str(timeout)],
+                [sys.executable, "-c", _PARENT, json.dumps(list(imports)), str(timeout),
+                 __file__],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env, text=True)
         self._lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()

@@ -11,7 +11,8 @@ model's taps (fp32, atol = rtol = 1e-5).
 
 gloo over loopback (``GLOO_SOCKET_IFNAME=lo``), rendezvous through a FileStore in
 ``tmp_path``, processes started with ``torch.multiprocessing`` (forkserver, the server
-having imported this module, so torch and kimi_passes are imported once, not per rank).
+having imported this module and set up Inductor (``rank_preload``), so torch, kimi_passes
+and Inductor's set-up happen once, not per rank).
 Every wait is bounded: a hang fails the test instead of blocking it.
 
 Every compile (ranks and the single-process reference) uses Inductor's
@@ -22,7 +23,9 @@ kernel is built (the ranks' start-up is the subject, not codegen).
 from __future__ import annotations
 
 import datetime
+import multiprocessing.forkserver as forkserver
 import os
+import sys
 import time
 import traceback
 
@@ -73,6 +76,9 @@ def _worker(rank: int, world: int, cfg: K3Config, bounds: tuple, tmp: str,
     out_file = os.path.join(tmp, f"rank{rank}.pt")
     result = {"rank": rank, "status": "started"}
     try:
+        if "rank_preload" not in sys.modules:
+            raise RuntimeError("the forkserver did not preload rank_preload: each rank would "
+                               "import torch and set up Inductor itself (start_forkserver)")
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
         torch.set_num_threads(1)
         torch._inductor.config.compile_threads = 1
@@ -125,10 +131,28 @@ def _worker(rank: int, world: int, cfg: K3Config, bounds: tuple, tmp: str,
             dist.destroy_process_group()
 
 
+def start_forkserver(ctx) -> None:
+    """Start the forkserver (once per process) with this module and ``rank_preload``
+    imported. The server imports its preload with ``sys.path`` as a fresh interpreter has
+    it (Python 3.11 does not apply the parent's) and ignores an ImportError, so it is
+    started with this directory on ``PYTHONPATH``; each rank checks it was preloaded."""
+    ctx.set_forkserver_preload([__name__, "rank_preload"])
+    old = os.environ.get("PYTHONPATH")
+    here = os.path.dirname(os.path.abspath(__file__))
+    os.environ["PYTHONPATH"] = here if old is None else here + os.pathsep + old
+    try:
+        forkserver.ensure_running()
+    finally:
+        if old is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = old
+
+
 def run_group(cfg: K3Config, bounds: tuple, tmp_path, leave_boundary=True) -> list[dict]:
     world = len(bounds) - 1
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
+    start_forkserver(ctx)
     procs = [ctx.Process(target=_worker, daemon=True,
                          args=(r, world, cfg, bounds, str(tmp_path), leave_boundary))
              for r in range(world)]
