@@ -12,6 +12,7 @@ also with Inductor imported, its code generators registered and its CPU patterns
 
 from __future__ import annotations
 
+import importlib
 import json
 import queue
 import subprocess
@@ -106,8 +107,6 @@ def set_up(names: tuple[str, ...]) -> None:
     """In this process, what the forking parent does before it forks: import each of
     ``names``, and call ``function`` for a ``module:function`` name (for a forkserver's
     preload, which only imports: tests/rank_preload.py)."""
-    import importlib
-
     for name in names:
         module, _, call = name.partition(":")
         imported = importlib.import_module(module)

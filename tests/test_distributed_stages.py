@@ -28,6 +28,7 @@ import os
 import sys
 import time
 import traceback
+from unittest import mock
 
 import pytest
 import torch
@@ -137,16 +138,9 @@ def start_forkserver(ctx) -> None:
     it (Python 3.11 does not apply the parent's) and ignores an ImportError, so it is
     started with this directory on ``PYTHONPATH``; each rank checks it was preloaded."""
     ctx.set_forkserver_preload([__name__, "rank_preload"])
-    old = os.environ.get("PYTHONPATH")
-    here = os.path.dirname(os.path.abspath(__file__))
-    os.environ["PYTHONPATH"] = here if old is None else here + os.pathsep + old
-    try:
+    path = [os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH")]
+    with mock.patch.dict(os.environ, {"PYTHONPATH": os.pathsep.join(filter(None, path))}):
         forkserver.ensure_running()
-    finally:
-        if old is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = old
 
 
 def run_group(cfg: K3Config, bounds: tuple, tmp_path, leave_boundary=True) -> list[dict]:
