@@ -94,7 +94,7 @@ def torch_rows(a: AttnResArgs, out, mixed):
 def mix_cpu(a: AttnResArgs) -> torch.Tensor:
     """Pre-norm mixture of ``blocks[:, :num_blocks]`` then ``prefix`` (``a`` is the pure
     mixture form, ``AttnResArgs.mix``), a new ``prefix.dtype`` tensor (fp32 accumulation)."""
-    out = torch.empty(a.prefix.shape, dtype=a.prefix.dtype, device=a.prefix.device)
+    out = torch.empty_like(a.prefix)  # the fake kernel's layout (and 1.6 us cheaper)
     _attn_res_rows(a, out, None)
     return out
 
@@ -105,7 +105,7 @@ def attn_res_cpu(a: AttnResArgs, *, capture: bool = True):
     ``mixed`` is ``out`` itself when there is no output norm, and None when the
     caller does not capture (``capture=False``) and there is an output norm.
     """
-    out = torch.empty(a.prefix.shape, dtype=a.prefix.dtype, device=a.prefix.device)
+    out = torch.empty_like(a.prefix)
     mixed = None
     if capture and a.output_norm_weight is not None:
         mixed = torch.empty_like(out)

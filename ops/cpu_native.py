@@ -26,6 +26,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import struct
 import subprocess
 import tempfile
 import warnings
@@ -40,6 +41,9 @@ FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11")
 #: Elements of a call (sources plus outputs) times torch's threads that the C kernel serves.
 PARALLEL_ELEMENTS = 1 << 21
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+#: ``kimi_rows_call`` in cpu_rows.c: 15 int64 (dtype, sizes, addresses, strides), the two
+#: epsilons, 4 int64 (the outputs). One packed buffer: ctypes converts each argument apart.
+_CALL = struct.Struct("=15q2d4q")
 
 
 class KimiNativeWarning(RuntimeWarning):
@@ -101,11 +105,8 @@ def _load() -> ctypes.CDLL | None:
             f"writable directory; KIMI_PASSES_NATIVE_CPU=0 turns the kernel off quietly.",
             KimiNativeWarning, stacklevel=4)
         return None
-    fn = lib.kimi_attn_res_rows
-    i64, ptr, f64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
-    fn.argtypes = [ctypes.c_int, i64, i64, i64, i64, ptr, i64, ptr, i64, ptr, i64, i64,
-                   ptr, ptr, ptr, f64, f64, ptr, i64, ptr, i64]
-    fn.restype = ctypes.c_int
+    lib.kimi_attn_res_rows_call.argtypes = [ctypes.c_char_p]
+    lib.kimi_attn_res_rows_call.restype = ctypes.c_int
     _LIB = lib
     return lib
 
@@ -124,7 +125,8 @@ def serves(a: AttnResArgs, outputs: int) -> bool:
     return (ENABLED and a.prefix.dtype in _DTYPE_CODE
             and (threads == 1
                  or T * H * (a.num_blocks + 1 + outputs) * threads <= PARALLEL_ELEMENTS)
-            and all(t is None or t.stride(-1) == 1 or H <= 1 for t in a[:6])
+            and (H <= 1 or all(t is None or t.is_contiguous() or t.stride(-1) == 1
+                               for t in a[:6]))
             and not (a.delta is not None and _shares_memory(a.prefix))
             and not (a.block_write_idx >= 0 and _shares_memory(a.blocks)))
 
@@ -139,17 +141,18 @@ def attn_res_rows(a: AttnResArgs, out: torch.Tensor, mixed: torch.Tensor | None)
     lib = _load()
     if lib is None:
         return False
-    T, H = a.prefix.shape
-    delta, blocks, onw = a.delta, a.blocks, a.output_norm_weight
-    rc = lib.kimi_attn_res_rows(
-        _DTYPE_CODE[a.prefix.dtype], T, H, a.num_blocks, a.block_write_idx,
-        a.prefix.data_ptr(), a.prefix.stride(0),
-        None if delta is None else delta.data_ptr(), 0 if delta is None else delta.stride(0),
-        blocks.data_ptr(), blocks.stride(0), blocks.stride(1),
-        a.norm_weight.data_ptr(), a.qk_weight.data_ptr(),
-        None if onw is None else onw.data_ptr(), a.eps, a.output_norm_eps,
+    prefix, delta, blocks, onw = a.prefix, a.delta, a.blocks, a.output_norm_weight
+    T, H = prefix.shape
+    blocks_rs, blocks_ss, _ = blocks.stride()
+    rc = lib.kimi_attn_res_rows_call(_CALL.pack(
+        _DTYPE_CODE[prefix.dtype], T, H, a.num_blocks, a.block_write_idx,
+        prefix.data_ptr(), prefix.stride(0),
+        0 if delta is None else delta.data_ptr(), 0 if delta is None else delta.stride(0),
+        blocks.data_ptr(), blocks_rs, blocks_ss,
+        a.norm_weight.data_ptr(), a.qk_weight.data_ptr(), 0 if onw is None else onw.data_ptr(),
+        a.eps, a.output_norm_eps,
         out.data_ptr(), out.stride(0),
-        None if mixed is None else mixed.data_ptr(), 0 if mixed is None else mixed.stride(0))
+        0 if mixed is None else mixed.data_ptr(), 0 if mixed is None else mixed.stride(0)))
     if rc != 0:
         raise MemoryError(f"kimi attn_res: the CPU kernel could not allocate "
                           f"{(H * (a.num_blocks + 3)) * 4} bytes of scratch")
