@@ -23,6 +23,10 @@ Models (inference, ``torch.no_grad()``):
 - ``attn-res``: the ``attn-res`` package's Block AttnRes transformer, d=256, 8 layers
   (its tokens as ``[batch, seq]``: decode [8, 1], [1, 16], prefill [1, 512]).
 
+``--control`` adds plain Inductor compiled a second time (``control``: the same generated
+code under a backend of its own): its ratio is what identical code measures against
+itself on this machine, in the same rounds, so a row's ratio can be read against it.
+
 ``--dynamic``: one graph compiled with a dynamic token dimension serves every T (as vLLM
 compiles it); default: one static graph per T. ``--device cuda`` runs the models on the
 GPU (a sample is a synchronised step: wall time, launches included; ``kimi`` and
@@ -124,13 +128,23 @@ def compiled(model, backend, dynamic: bool):
     return torch.compile(model, backend=backend, fullgraph=True, dynamic=dynamic)
 
 
+def _inductor_again(gm, example_inputs):
+    """Plain Inductor under a backend object of its own, so Dynamo compiles it apart."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs)
+
+
 def run(names, tokens, dynamic: bool, timer: CpuTimer, out=sys.stdout,
-        device: str = "cpu") -> list[dict]:
+        device: str = "cpu", control: bool = False) -> list[dict]:
     rows = []
     backends = {"kimi": make_kimi_backend(), "kimi-ops": make_kimi_backend(lower_kimi_ops=False)}
+    if control:
+        backends["control"] = _inductor_again
     compiled_models: dict = {}
     print(f"{'model':9} {'shape':9} {'inductor ms':>12} {'kimi ms':>9} {'ratio [IQR]':>20} "
-          f"{'kimi-ops ms':>12} {'ratio [IQR]':>20}", file=out, flush=True)
+          f"{'kimi-ops ms':>12} {'ratio [IQR]':>20}"
+          + (f" {'control [IQR]':>20}" if control else ""), file=out, flush=True)
     for name, shape, base, cand, inputs in cases(names, tokens, device):
         key = (name, id(base), id(cand))
         if not dynamic or key not in compiled_models:
@@ -139,7 +153,8 @@ def run(names, tokens, dynamic: bool, timer: CpuTimer, out=sys.stdout,
             torch._dynamo.reset()
             compiled_models.clear()
             compiled_models[key] = {"inductor": compiled(base, "inductor", dynamic),
-                                    **{k: compiled(cand, b, dynamic) for k, b in backends.items()}}
+                                    **{k: compiled(base if k == "control" else cand, b, dynamic)
+                                       for k, b in backends.items()}}
         fns = compiled_models[key]
         with torch.no_grad():
             want = first_tensor(fns["inductor"](*inputs))
@@ -157,8 +172,8 @@ def run(names, tokens, dynamic: bool, timer: CpuTimer, out=sys.stdout,
         rows.append(row)
         r = row["ratio"]
         print(f"{name:9} {shape:9} {row['ms']['inductor']:12.3f} {row['ms']['kimi']:9.3f} "
-              f"{_fmt(r['kimi']):>20} {row['ms']['kimi-ops']:12.3f} {_fmt(r['kimi-ops']):>20}",
-              file=out, flush=True)
+              f"{_fmt(r['kimi']):>20} {row['ms']['kimi-ops']:12.3f} {_fmt(r['kimi-ops']):>20}"
+              + (f" {_fmt(r['control']):>20}" if control else ""), file=out, flush=True)
     return rows
 
 
@@ -188,6 +203,8 @@ def main(argv=None) -> int:
     p.add_argument("--block-ms", type=float, default=40.0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu", help="cpu, or cuda (tools/gpu_check.sh)")
+    p.add_argument("--control", action="store_true",
+                   help="also time plain Inductor compiled again: identical code's ratio")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     names = [m.strip() for m in a.models.split(",") if m.strip()]
@@ -197,7 +214,7 @@ def main(argv=None) -> int:
     timer = CpuTimer(rounds=a.rounds, block_s=a.block_ms / 1e3, threads=a.threads)
     print(f"torch {torch.__version__}, {a.device}, {a.threads} thread(s), "
           f"{'dynamic' if a.dynamic else 'static'} shapes; ratio = t(plain Inductor) / t(x)")
-    run(names, a.T, a.dynamic, timer, device=a.device)
+    run(names, a.T, a.dynamic, timer, device=a.device, control=a.control)
     return 0
 
 
