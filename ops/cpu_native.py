@@ -125,6 +125,7 @@ def serves(a: AttnResArgs, outputs: int) -> bool:
     return (ENABLED and a.prefix.dtype in _DTYPE_CODE
             and (threads == 1
                  or T * H * (a.num_blocks + 1 + outputs) * threads <= PARALLEL_ELEMENTS)
+            # is_contiguous() reads a cached flag: the common case skips stride(-1)'s call.
             and (H <= 1 or all(t is None or t.is_contiguous() or t.stride(-1) == 1
                                for t in a[:6]))
             and not (a.delta is not None and _shares_memory(a.prefix))
