@@ -5,8 +5,10 @@
 ``torch.library.custom_op``: a ``custom_op`` wraps every call in Python layers (an autograd
 kernel, a version-bump kernel for mutated inputs, an aliasing check of the outputs) that
 cost more than the mixture itself at decode sizes (docs/design.md section 9). Here a call
-is one Python kernel, plus one for autograd (``_inference_autograd`` for the mutating ops,
-``register_autograd``'s for ``attn_res_mix`` in ``backward.py``). The ops stay opaque
+is one Python kernel, the autograd one (``_inference_autograd`` for the mutating ops,
+``_MixFunction``'s in ``backward.py`` for ``attn_res_mix``): where the next kernel would be
+our own CPU one, it calls that function itself (``below_autograd``) rather than have the
+dispatcher box the arguments into Python a second time. The ops stay opaque
 (AOTAutograd keeps each one a single node, so the passes find ``kimi.attn_res`` in
 post-grad graphs), are tagged ``pt2_compliant_tag`` as a ``custom_op`` is, and pass
 ``torch.library.opcheck``. The CPU kernel is the eager path in ``cpu.py``; CUDA
@@ -36,6 +38,11 @@ from .validate import validate_sources, validate_tap
 _LIB = torch.library.Library("kimi", "FRAGMENT")  # noqa: TOR901  (ops live as long as the module)
 
 
+#: op overload -> its CPU kernel (the Python function ``_define`` registered).
+_CPU_KERNELS: dict = {}
+_CPU = torch._C.DispatchKey.CPU
+
+
 def _define(fn, mutates_args=()):
     """Define ``kimi::<fn name>`` with the schema ``custom_op`` would infer from ``fn`` and
     register ``fn`` as its CPU kernel; returns the op (``torch.ops.kimi.<name>``)."""
@@ -43,7 +50,24 @@ def _define(fn, mutates_args=()):
     schema = torch.library.infer_schema(fn, mutates_args=mutates_args)
     _LIB.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
     _LIB.impl(name, fn, "CPU")
-    return getattr(torch.ops.kimi, name)
+    op = getattr(torch.ops.kimi, name)
+    _CPU_KERNELS[op.default] = fn
+    return op
+
+
+def below_autograd(op, keyset, args):
+    """What an Autograd kernel of ``op`` runs when no gradient is recorded: the kernels
+    below it. Where the next one is the CPU kernel (the keys between, ADInplaceOrView,
+    fall through or were handled by the caller), call that Python function directly:
+    through ``op.redispatch`` the dispatcher would unbox the arguments and box them into
+    Python again (about 6 us a call, more than the C kernel at decode sizes). Any other
+    key next (Python for fake tensors and dispatch modes, Functionalize, Meta, CUDA) goes
+    through the dispatcher as before."""
+    below = keyset & torch._C._after_ADInplaceOrView_keyset
+    with torch._C._AutoDispatchBelowADInplaceOrView():
+        if below.highestPriorityTypeId() == _CPU:
+            return _CPU_KERNELS[op](*args)
+        return op.redispatch(below, *args)
 
 
 @record_signature(returns=torch.Tensor)
@@ -115,8 +139,7 @@ def _redispatch(op, keyset, args):
     # check: autograd sees prefix and blocks change (a saved copy of either fails loudly).
     for i in _MUTATED_IDX:
         torch.autograd.graph.increment_version(args[i])
-    with torch._C._AutoDispatchBelowADInplaceOrView():
-        return op.redispatch(keyset & torch._C._after_ADInplaceOrView_keyset, *args)
+    return below_autograd(op, keyset, args)
 
 
 def _inference_autograd(op):

@@ -482,6 +482,49 @@ def test_fake_kernel_raises_at_compile_time():
     assert not compiled_graphs
 
 
+@pytest.mark.parametrize("name", ["attn_res", "attn_res_capture", "attn_res_mix"])
+def test_eager_cpu_call_runs_its_kernel_directly_and_a_mode_still_sees_it(name, monkeypatch):
+    """A CPU call recording no gradient: the op's autograd kernel calls the CPU kernel
+    itself (``ops.library.below_autograd``), no second trip through the dispatcher. With a
+    dispatch mode active the call still goes through it (the mode sees the op), and both
+    routes compute the same values and in-place effects."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    redispatched = []
+    real = torch._ops.OpOverload.redispatch
+
+    def spy(self, keyset, *args, **kwargs):
+        redispatched.append(str(self))
+        return real(self, keyset, *args, **kwargs)
+
+    monkeypatch.setattr(torch._ops.OpOverload, "redispatch", spy)
+
+    def call(args):
+        return getattr(OPS, name)(*(mix_args(args) if name == "attn_res_mix" else args))
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    direct, moded = valid(), valid()
+    got = call(direct)
+    assert redispatched == []
+    with Seen() as mode:
+        want = call(moded)
+    assert f"kimi.{name}.default" in mode.ops
+    assert redispatched == [f"kimi.{name}.default"]
+    for g, w in zip(*(x if isinstance(x, tuple) else (x,) for x in (got, want)), strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    for g, w in zip(direct, moded, strict=True):
+        if isinstance(g, torch.Tensor):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
 # --------------------------------------------------------------------------- aux_tap
 
 
