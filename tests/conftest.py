@@ -21,10 +21,24 @@ def pytest_configure(config):
     # vLLM picks its platform once, on first use, in whichever test imports it first: the
     # harness's CPU platform (tests/vllm_harness.py) for every test in the process.
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    # vLLM imports humming (its quantized-GEMM kernels), which on import starts two
+    # background processes that build its CUDA launcher: on a CPU machine each imports
+    # torch and triton and fails (about 18 s of CPU each, beside the tests). humming's
+    # own switch turns that prebuild off; nothing vLLM's compile path runs uses it.
+    os.environ.setdefault("HUMMING_DISABLE_PARALLEL_BUILD", "1")
 
     import kimi_passes  # noqa: F401  (registers torch.ops.kimi.*)
 
     torch.manual_seed(0)
+    # pytest's log capture attaches its handlers to every logger that does not propagate,
+    # torch's structured-trace logger (``TORCH_TRACE``, tlparse) included. torch builds a
+    # trace payload (each graph printed, its guards, ...) whenever that logger has a
+    # handler, so under pytest every compile printed every graph for pytest to capture:
+    # about 5% of the suite's CPU time. Propagating, the logger gets no handler of
+    # pytest's and torch skips the payloads, as it does outside pytest.
+    from torch._logging._internal import trace_log
+
+    trace_log.propagate = True
 
 
 @pytest.fixture(scope="module")
