@@ -60,7 +60,8 @@ def below_autograd(op, keyset, args):
     below it. Where the next one is the CPU kernel (the keys between, ADInplaceOrView,
     fall through or were handled by the caller), call that Python function directly:
     through ``op.redispatch`` the dispatcher would unbox the arguments and box them into
-    Python again (about 6 us a call, more than the C kernel at decode sizes). Any other
+    Python again (3.5 us a call on an empty six-argument op; the C kernel takes 8 us at
+    T=8, H=512). Any other
     key next (Python for fake tensors and dispatch modes, Functionalize, Meta, CUDA) goes
     through the dispatcher as before."""
     below = keyset & torch._C._after_ADInplaceOrView_keyset
