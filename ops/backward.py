@@ -277,10 +277,10 @@ def _mix_list_backward(ctx, grad):
 
 class _MixFunction(torch.autograd.Function):
     """``attn_res_mix``'s autograd, what ``torch.library.register_autograd`` would build
-    from ``_mix_setup`` / ``_mix_backward``, in a kernel of our own (``_mix_autograd``) so
-    that a call recording no gradient runs the CPU kernel with one boxing, not two
-    (``library.below_autograd``). The dispatch keyset rides last: ``needs_input_grad``
-    then lines up with the op's arguments."""
+    from ``_mix_setup`` / ``_mix_backward``, in a kernel of our own
+    (``library.register_autograd_kernel``) so that a call recording no gradient runs the
+    CPU kernel with one boxing, not two (``library.below_autograd``). The dispatch keyset
+    rides last: ``needs_input_grad`` then lines up with the op's arguments."""
 
     @staticmethod
     def forward(ctx, *args_and_keyset):
@@ -295,15 +295,7 @@ class _MixFunction(torch.autograd.Function):
 
 
 _MIX = torch.ops.kimi.attn_res_mix.default
-
-
-def _mix_autograd(keyset, *args):
-    if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
-        return _MixFunction.apply(*args, keyset)
-    return _library.below_autograd(_MIX, keyset, args)
-
-
-_library._LIB.impl("attn_res_mix", _mix_autograd, "Autograd", with_keyset=True)
+_library.register_autograd_kernel(_MIX, lambda keyset, *args: _MixFunction.apply(*args, keyset))
 torch.library.register_autograd("kimi::attn_res_mix_list", _mix_list_backward,
                                 setup_context=_mix_list_setup)
 

@@ -5,10 +5,10 @@
 ``torch.library.custom_op``: a ``custom_op`` wraps every call in Python layers (an autograd
 kernel, a version-bump kernel for mutated inputs, an aliasing check of the outputs) that
 cost more than the mixture itself at decode sizes (docs/design.md section 9). Here a call
-is one Python kernel, the autograd one (``_inference_autograd`` for the mutating ops,
-``_MixFunction``'s in ``backward.py`` for ``attn_res_mix``): where the next kernel would be
-our own CPU one, it calls that function itself (``below_autograd``) rather than have the
-dispatcher box the arguments into Python a second time. The ops stay opaque
+is one Python kernel, the autograd one (``register_autograd_kernel``: ``_NoFormula`` for
+the mutating ops, ``_MixFunction`` in ``backward.py`` for ``attn_res_mix``): where the next
+kernel would be our own CPU one, it calls that function itself (``below_autograd``) rather
+than have the dispatcher box the arguments into Python a second time. The ops stay opaque
 (AOTAutograd keeps each one a single node, so the passes find ``kimi.attn_res`` in
 post-grad graphs), are tagged ``pt2_compliant_tag`` as a ``custom_op`` is, and pass
 ``torch.library.opcheck``. The CPU kernel is the eager path in ``cpu.py``; CUDA
@@ -61,14 +61,26 @@ def below_autograd(op, keyset, args):
     fall through or were handled by the caller), call that Python function directly:
     through ``op.redispatch`` the dispatcher would unbox the arguments and box them into
     Python again (3.5 us a call on an empty six-argument op; the C kernel takes 8 us at
-    T=8, H=512). Any other
-    key next (Python for fake tensors and dispatch modes, Functionalize, Meta, CUDA) goes
-    through the dispatcher as before."""
+    T=8, H=512). Any other key next (Python for fake tensors and dispatch modes,
+    Functionalize, Meta, CUDA) goes through the dispatcher as before."""
     below = keyset & torch._C._after_ADInplaceOrView_keyset
     with torch._C._AutoDispatchBelowADInplaceOrView():
         if below.highestPriorityTypeId() == _CPU:
             return _CPU_KERNELS[op](*args)
         return op.redispatch(below, *args)
+
+
+def register_autograd_kernel(op, record, run=below_autograd):
+    """Register ``op``'s Autograd kernel: ``record(keyset, *args)`` (an
+    ``autograd.Function``'s apply) when a gradient is recorded, else ``run(op, keyset,
+    args)``; every op ``_define`` defines gets one."""
+
+    def kernel(keyset, *args):
+        if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+            return record(keyset, *args)
+        return run(op, keyset, args)
+
+    _LIB.impl(op._opname, kernel, "Autograd", with_keyset=True)
 
 
 @record_signature(returns=torch.Tensor)
@@ -124,7 +136,7 @@ class _NoFormula(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op, keyset, *args):
         ctx.op = op
-        return _redispatch(op, keyset, args)
+        return _mutate_below_autograd(op, keyset, args)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -135,7 +147,7 @@ class _NoFormula(torch.autograd.Function):
             f"attn_res_capture_differentiable (same arguments, same effects).")
 
 
-def _redispatch(op, keyset, args):
+def _mutate_below_autograd(op, keyset, args):
     # What custom_op's version-bump kernel does, in the same Python frame as the autograd
     # check: autograd sees prefix and blocks change (a saved copy of either fails loudly).
     for i in _MUTATED_IDX:
@@ -143,17 +155,9 @@ def _redispatch(op, keyset, args):
     return below_autograd(op, keyset, args)
 
 
-def _inference_autograd(op):
-    def kernel(keyset, *args):
-        if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
-            return _NoFormula.apply(op, keyset, *args)
-        return _redispatch(op, keyset, args)
-
-    _LIB.impl(op._opname, kernel, "Autograd", with_keyset=True)
-
-
-_inference_autograd(attn_res.default)
-_inference_autograd(attn_res_capture.default)
+for _op in (attn_res.default, attn_res_capture.default):
+    register_autograd_kernel(_op, lambda keyset, *args, op=_op: _NoFormula.apply(op, keyset, *args),
+                             run=_mutate_below_autograd)
 
 
 # --------------------------------------------------------------------------- fake kernels
