@@ -104,9 +104,13 @@ INLINE void dot2(const float *restrict a, const float *restrict b, int64_t H, fl
  * The same bits either way (tests/test_cpu_native.py): AVX2 alone brings no FMA (GCC
  * contracts a*b+c only for a target that has one), the reductions are written with v4, and
  * the loops GCC widens are elementwise. -DKIMI_ROWS_BASELINE builds the baseline alone. */
-#if defined(__x86_64__) && defined(__GLIBC__) && !defined(KIMI_ROWS_BASELINE)
+#if defined(__x86_64__) && defined(__GLIBC__) && !defined(KIMI_ROWS_BASELINE) && \
+    defined(__has_attribute)
+#if __has_attribute(target_clones) /* GCC 6+, clang 14+ */
 #define ROWS_CLONES __attribute__((target_clones("avx2", "default")))
-#else
+#endif
+#endif
+#ifndef ROWS_CLONES
 #define ROWS_CLONES
 #endif
 
