@@ -433,10 +433,6 @@ def run(ci: bool, jobs: int) -> list[dict]:
     for key, args in zip(keys, todo, strict=True):
         first.setdefault(key, args)
     unique = list(first.values())
-    # Printed once every module the builds use is imported, before any build process
-    # starts (.ci/run starts the vLLM install beside the builds after this line).
-    print(f"kernel_build: {len(todo)} builds, {len(unique)} distinct, {max(1, jobs)} processes",
-          file=sys.stderr, flush=True)
     if jobs <= 1:
         built = [build(*a) for a in unique]
     else:
