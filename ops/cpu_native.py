@@ -67,13 +67,14 @@ def library_path() -> Path:
     return cache_dir() / f"cpu_rows-{platform.machine()}-{key.hexdigest()[:16]}.so"
 
 
-def build(path: Path) -> None:
-    """Compile ``cpu_rows.c`` into ``path`` (atomically); raise naming what failed."""
+def build(path: Path, defines: tuple[str, ...] = ()) -> None:
+    """Compile ``cpu_rows.c`` into ``path`` (atomically), with ``defines`` (``-DNAME``) added
+    to the flags; raise naming what failed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     try:
-        cmd = [_compiler(), *FLAGS, str(SOURCE), "-o", tmp, "-lm"]
+        cmd = [_compiler(), *FLAGS, *defines, str(SOURCE), "-o", tmp, "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"`{' '.join(cmd)}` failed: {done.stderr.strip()[-500:]}")
@@ -95,7 +96,7 @@ def _load() -> ctypes.CDLL | None:
         path = library_path()
         if not path.exists():
             build(path)
-        lib = ctypes.CDLL(str(path))
+        lib = open_library(path)
     except (OSError, RuntimeError) as e:
         _FAILED = str(e)
         warnings.warn(
@@ -105,9 +106,15 @@ def _load() -> ctypes.CDLL | None:
             f"writable directory; KIMI_PASSES_NATIVE_CPU=0 turns the kernel off quietly.",
             KimiNativeWarning, stacklevel=4)
         return None
+    _LIB = lib
+    return lib
+
+
+def open_library(path: Path) -> ctypes.CDLL:
+    """Load a build of ``cpu_rows.c``, its one entry point typed for ``attn_res_rows``."""
+    lib = ctypes.CDLL(str(path))
     lib.kimi_attn_res_rows_call.argtypes = [ctypes.c_char_p]
     lib.kimi_attn_res_rows_call.restype = ctypes.c_int
-    _LIB = lib
     return lib
 
 

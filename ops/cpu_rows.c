@@ -99,6 +99,20 @@ INLINE void dot2(const float *restrict a, const float *restrict b, int64_t H, fl
     *aa = tq;
 }
 
+/* One call's arguments: integers and addresses as int64 (0 for an absent tensor), then the
+ * two epsilons. ops/cpu_native.py's _CALL packs this layout. */
+typedef struct {
+    int64_t dtype, T, H, num_blocks, block_write_idx;
+    int64_t prefix, prefix_rs, delta, delta_rs, blocks, blocks_rs, blocks_ss;
+    int64_t norm_weight, qk_weight, onw;
+    double eps, oeps;
+    int64_t out, out_rs, mixed, mixed_rs;
+} kimi_rows_call;
+
+_Static_assert(sizeof(void *) == sizeof(int64_t), "addresses are packed as int64");
+
+#define PTR(a) ((void *)(intptr_t)(a))
+
 /* On x86-64 with glibc, an AVX2 copy of the row loop beside the baseline one, picked at
  * load time (an ifunc): 1.3-1.5x faster on CI's machine (AMD EPYC) at H=512, T=8 and 64.
  * The same bits either way (tests/test_cpu_native.py): AVX2 alone brings no FMA (GCC
@@ -114,19 +128,24 @@ INLINE void dot2(const float *restrict a, const float *restrict b, int64_t H, fl
 #define ROWS_CLONES
 #endif
 
-INLINE int rows(const int dtype, int64_t T, int64_t H, int64_t num_blocks,
-                int64_t block_write_idx, void *prefix, int64_t prefix_rs, const void *delta,
-                int64_t delta_rs, void *blocks, int64_t blocks_rs, int64_t blocks_ss,
-                const void *norm_weight, const void *qk_weight, const void *onw, double eps,
-                double oeps, void *out, int64_t out_rs, void *mixed, int64_t mixed_rs) {
+INLINE int rows(const int dtype, const kimi_rows_call *c) {
+    const int64_t T = c->T, H = c->H, num_blocks = c->num_blocks;
+    const int64_t block_write_idx = c->block_write_idx, prefix_rs = c->prefix_rs;
+    const int64_t delta_rs = c->delta_rs, blocks_rs = c->blocks_rs, blocks_ss = c->blocks_ss;
+    const int64_t out_rs = c->out_rs, mixed_rs = c->mixed_rs;
+    void *prefix = PTR(c->prefix), *blocks = PTR(c->blocks), *out = PTR(c->out);
+    void *mixed = PTR(c->mixed);
+    const void *delta = PTR(c->delta), *norm_weight = PTR(c->norm_weight);
+    const void *qk_weight = PTR(c->qk_weight), *onw = PTR(c->onw);
     const int64_t n = num_blocks + 1, es = dtype == 0 ? 4 : 2;
-    const float feps = (float)eps, foeps = (float)oeps, fH = (float)H;
-    /* scratch: src [n] pointers; w, onw, m, tmp [H] each; stage [n, H]; logits [n] */
+    const int64_t staged = dtype == 0 ? 0 : n; /* fp32 sources need no stage */
+    const float feps = (float)c->eps, foeps = (float)c->oeps, fH = (float)H;
+    /* scratch: src [n] pointers; w, onw, m, tmp [H] each; stage [staged, H]; logits [n] */
     const float **src =
-        malloc(sizeof(float *) * (size_t)n + sizeof(float) * (size_t)(H * (n + 4) + n));
+        malloc(sizeof(float *) * (size_t)n + sizeof(float) * (size_t)(H * (staged + 4) + n));
     if (!src) return -1;
     float *w = (float *)(src + n);
-    float *on = w + H, *m = on + H, *tmp = m + H, *stage = tmp + H, *lg = stage + n * H;
+    float *on = w + H, *m = on + H, *tmp = m + H, *stage = tmp + H, *lg = stage + staged * H;
     to_f32(dtype, norm_weight, tmp, H);
     to_f32(dtype, qk_weight, w, H);
     for (int64_t h = 0; h < H; h++) w[h] *= tmp[h]; /* the folded query, rounded to fp32 */
@@ -136,7 +155,7 @@ INLINE int rows(const int dtype, int64_t T, int64_t H, int64_t num_blocks,
         char *x = (char *)prefix + t * prefix_rs * es;
         /* fp32 sources are read where they lie; 16-bit ones are upcast into the stage once.
          * The prefix is the last source. */
-        float *xs = stage + num_blocks * H;
+        float *xs;
         if (dtype == 0) {
             float *xf = (float *)x;
             if (delta) { /* the rounded sum, written back, is what is mixed */
@@ -145,6 +164,7 @@ INLINE int rows(const int dtype, int64_t T, int64_t H, int64_t num_blocks,
             }
             xs = xf;
         } else {
+            xs = stage + num_blocks * H;
             to_f32(dtype, x, xs, H);
             if (delta) { /* fp32 add, one rounding, written back; the rounded sum is mixed */
                 to_f32(dtype, (const char *)delta + t * delta_rs * es, tmp, H);
@@ -204,43 +224,16 @@ INLINE int rows(const int dtype, int64_t T, int64_t H, int64_t num_blocks,
 
 /* One copy of the row loop per dtype (the dtype a constant in each), in each target's copy. */
 ROWS_CLONES
-static int attn_res_rows(int dtype, int64_t T, int64_t H, int64_t num_blocks,
-                         int64_t block_write_idx, void *prefix, int64_t prefix_rs,
-                         const void *delta, int64_t delta_rs, void *blocks, int64_t blocks_rs,
-                         int64_t blocks_ss, const void *norm_weight, const void *qk_weight,
-                         const void *onw, double eps, double oeps, void *out, int64_t out_rs,
-                         void *mixed, int64_t mixed_rs) {
-#define ROWS(d)                                                                            \
-    rows(d, T, H, num_blocks, block_write_idx, prefix, prefix_rs, delta, delta_rs, blocks,   \
-         blocks_rs, blocks_ss, norm_weight, qk_weight, onw, eps, oeps, out, out_rs, mixed,  \
-         mixed_rs)
-    switch (dtype) {
-    case 0: return ROWS(0);
-    case 1: return ROWS(1);
-    default: return ROWS(2);
+static int attn_res_rows(const kimi_rows_call *c) {
+    switch (c->dtype) {
+    case 0: return rows(0, c);
+    case 1: return rows(1, c);
+    default: return rows(2, c);
     }
-#undef ROWS
 }
-
-/* The arguments of attn_res_rows in its order: integers and addresses as int64 (0 for an
- * absent tensor), then the two epsilons. ops/cpu_native.py's _CALL packs this layout. */
-typedef struct {
-    int64_t dtype, T, H, num_blocks, block_write_idx;
-    int64_t prefix, prefix_rs, delta, delta_rs, blocks, blocks_rs, blocks_ss;
-    int64_t norm_weight, qk_weight, onw;
-    double eps, oeps;
-    int64_t out, out_rs, mixed, mixed_rs;
-} kimi_rows_call;
-
-_Static_assert(sizeof(void *) == sizeof(int64_t), "addresses are packed as int64");
-
-#define PTR(a) ((void *)(intptr_t)(a))
 
 int kimi_attn_res_rows_call(const void *packed) {
     kimi_rows_call c;
     memcpy(&c, packed, sizeof c); /* the caller's buffer (a bytes object) may be unaligned */
-    return attn_res_rows((int)c.dtype, c.T, c.H, c.num_blocks, c.block_write_idx, PTR(c.prefix),
-                         c.prefix_rs, PTR(c.delta), c.delta_rs, PTR(c.blocks), c.blocks_rs,
-                         c.blocks_ss, PTR(c.norm_weight), PTR(c.qk_weight), PTR(c.onw), c.eps,
-                         c.oeps, PTR(c.out), c.out_rs, PTR(c.mixed), c.mixed_rs);
+    return attn_res_rows(&c);
 }

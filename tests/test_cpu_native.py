@@ -6,8 +6,7 @@ are still seen by autograd. Its numerics are tests/test_ops.py's, run on both CP
 
 from __future__ import annotations
 
-import ctypes
-import subprocess
+import itertools
 import warnings
 
 import pytest
@@ -82,17 +81,6 @@ def test_which_calls_the_c_kernel_serves(monkeypatch):
     assert not serves(8, 512, 4, threads=1, dtype=torch.float64)
 
 
-def _baseline_build(path):
-    """``cpu_rows.c`` built as cpu_native builds it, without the AVX2 copy of the row loop."""
-    cmd = [cpu_native._compiler(), *cpu_native.FLAGS, "-DKIMI_ROWS_BASELINE",
-           str(cpu_native.SOURCE), "-o", str(path), "-lm"]
-    subprocess.run(cmd, check=True, capture_output=True)
-    lib = ctypes.CDLL(str(path))
-    lib.kimi_attn_res_rows_call.argtypes = [ctypes.c_char_p]
-    lib.kimi_attn_res_rows_call.restype = ctypes.c_int
-    return lib
-
-
 def test_the_avx2_copy_and_the_baseline_give_the_same_bits(monkeypatch, tmp_path):
     """The library picks its row loop at load time (the AVX2 copy where the CPU has AVX2):
     both copies give the same bits, so a result does not depend on the machine. On a CPU
@@ -100,24 +88,23 @@ def test_the_avx2_copy_and_the_baseline_give_the_same_bits(monkeypatch, tmp_path
     monkeypatch.setattr(cpu_native, "ENABLED", True)
     picked = cpu_native._load()
     assert picked is not None, cpu_native._FAILED
-    baseline = _baseline_build(tmp_path / "baseline.so")
-    n = 0
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        for T, H in ((1, 512), (8, 512), (3, 1000), (5, 13)):
-            for NB, nb, write in ((4, 3, 2), (4, 2, 2), (4, 4, -1), (2, 0, 0)):
-                for delta, onorm in ((False, False), (True, True), (True, False)):
-                    args = make_args(T, H, NB, nb, write, dtype, delta=delta, onorm=onorm,
-                                     seed=n)
-                    n += 1
-                    got = []
-                    for lib in (picked, baseline):
-                        monkeypatch.setattr(cpu_native, "_LIB", lib)
-                        a = clone_args(args)
-                        out, mixed = OPS.attn_res_capture(*a)
-                        got.append([t.view(torch.int32 if dtype == torch.float32
-                                           else torch.int16) for t in (out, mixed, a[0], a[2])])
-                    for x, y in zip(*got, strict=True):
-                        assert torch.equal(x, y), (dtype, T, H, NB, nb, write, delta, onorm)
+    cpu_native.build(tmp_path / "baseline.so", ("-DKIMI_ROWS_BASELINE",))
+    baseline = cpu_native.open_library(tmp_path / "baseline.so")
+    cases = itertools.product((torch.float32, torch.bfloat16, torch.float16),
+                              ((1, 512), (8, 512), (3, 1000), (5, 13)),
+                              ((4, 3, 2), (4, 2, 2), (4, 4, -1), (2, 0, 0)),
+                              ((False, False), (True, True), (True, False)))
+    for n, (dtype, (T, H), (NB, nb, write), (delta, onorm)) in enumerate(cases):
+        args = make_args(T, H, NB, nb, write, dtype, delta=delta, onorm=onorm, seed=n)
+        got = []
+        for lib in (picked, baseline):
+            monkeypatch.setattr(cpu_native, "_LIB", lib)
+            a = clone_args(args)
+            out, mixed = OPS.attn_res_capture(*a)
+            got.append([t.view(torch.int32 if dtype == torch.float32 else torch.int16)
+                        for t in (out, mixed, a[0], a[2])])
+        for x, y in zip(*got, strict=True):
+            assert torch.equal(x, y), (dtype, T, H, NB, nb, write, delta, onorm)
 
 
 @pytest.mark.parametrize("cpu_path", ["c", "torch"], indirect=True)
