@@ -55,6 +55,14 @@ def _define(fn, mutates_args=()):
     return op
 
 
+_AFTER_AD_INPLACE = torch._C._after_ADInplaceOrView_keyset
+_BELOW_AD_INPLACE = torch._C._AutoDispatchBelowADInplaceOrView
+#: A dispatch key set (``raw_repr()``) -> whether CPU is the first key below autograd: a
+#: function of the key set alone, so cached (0.2 us a lookup against 0.8 us for the two
+#: key-set calls); a process meets a handful of key sets.
+_CPU_NEXT: dict[int, bool] = {}
+
+
 def below_autograd(op, keyset, args):
     """What an Autograd kernel of ``op`` runs when no gradient is recorded: the kernels
     below it. Where the next one is the CPU kernel (the keys between, ADInplaceOrView,
@@ -63,11 +71,15 @@ def below_autograd(op, keyset, args):
     Python again (3.5 us a call on an empty six-argument op; the C kernel takes 8 us at
     T=8, H=512). Any other key next (Python for fake tensors and dispatch modes,
     Functionalize, Meta, CUDA) goes through the dispatcher as before."""
-    below = keyset & torch._C._after_ADInplaceOrView_keyset
-    with torch._C._AutoDispatchBelowADInplaceOrView():
-        if below.highestPriorityTypeId() == _CPU:
+    raw = keyset.raw_repr()
+    cpu_next = _CPU_NEXT.get(raw)
+    if cpu_next is None:
+        cpu_next = _CPU_NEXT[raw] = (
+            (keyset & _AFTER_AD_INPLACE).highestPriorityTypeId() == _CPU)
+    with _BELOW_AD_INPLACE():
+        if cpu_next:
             return _CPU_KERNELS[op](*args)
-        return op.redispatch(below, *args)
+        return op.redispatch(keyset & _AFTER_AD_INPLACE, *args)
 
 
 def register_autograd_kernel(op, record, run=below_autograd):
