@@ -8,8 +8,9 @@
 # 2.11 by hand (docs/testing.md, "Torch versions"); it does not fit in CI's 20 minutes beside the main job.
 #
 #   bash tools/compat.sh          set up, then check
-#   bash tools/compat.sh setup    only the venv (.ci/run runs it beside the vLLM install)
-#   bash tools/compat.sh check    the main job and the tests, side by side: the main job is
+#   bash tools/compat.sh setup    only the venv (.ci/run runs it beside README command 1)
+#   bash tools/compat.sh check    the main job and the tests, side by side (.ci/run runs it
+#                                 beside the vLLM install): the main job is
 #                                 one process, the tests use -n auto
 set -euo pipefail
 cd "$(dirname "$0")/.."
