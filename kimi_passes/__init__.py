@@ -3,7 +3,9 @@
     model = torch.compile(model, backend=kimi_passes.kimi_backend)
 
 compiles a K3 graph so that every ``aux_tap`` reads the pre-norm AttnRes
-mixture its consumer layer reads (see ``AuxStreamPass``).
+mixture its consumer layer reads (see ``AuxStreamPass``). The options are
+``KimiPassConfig``'s; a stack with a backend of its own installs
+``pass_manager(**options)`` as Inductor's ``post_grad_custom_post_pass``.
 """
 
 import sys
@@ -22,10 +24,12 @@ from kimi_passes.backend import (  # noqa: E402
     make_kimi_backend,
     register,
 )
+from kimi_passes.config import DrafterTaps, KimiPassConfig, drafter_capture_ids  # noqa: E402
 from kimi_passes.debug.graph_text import graph_text  # noqa: E402
 from kimi_passes.errors import AuxCaptureError  # noqa: E402
+from kimi_passes.passes.manager import KimiPassManager  # noqa: E402
+from kimi_passes.pipeline import pass_manager  # noqa: E402
 from kimi_passes.taps import AuxStreamPass, aux_tap  # noqa: E402
-from kimi_passes.taps.drafter import DrafterTaps, drafter_capture_ids  # noqa: E402
 
 register()
 
@@ -34,10 +38,13 @@ __all__ = [
     "AuxStreamPass",
     "DrafterTaps",
     "KimiBackend",
+    "KimiPassConfig",
+    "KimiPassManager",
     "aux_tap",
     "drafter_capture_ids",
     "graph_text",
     "kimi_backend",
     "make_kimi_backend",
     "ops",
+    "pass_manager",
 ]

@@ -4,8 +4,9 @@
     torch.compile(model, backend=make_kimi_backend(aux_stream="prefix"))
     torch.compile(model, backend="kimi", options={"aux_stream": "prefix"})
 
-Stacks that own their backend (vLLM style) install the pass alone:
-``torch._inductor.config.post_grad_custom_post_pass = AuxStreamPass("attn_res")``.
+The options are ``KimiPassConfig``'s (``kimi_passes.config``); anything else given is an
+Inductor config patch. Stacks that own their backend install ``kimi_passes.pass_manager``
+(``kimi_passes.pipeline``) as ``post_grad_custom_post_pass`` instead.
 """
 
 from __future__ import annotations
@@ -13,15 +14,12 @@ from __future__ import annotations
 import torch
 from torch._dynamo.exc import BackendCompilerFailed
 
+from kimi_passes.config.pass_config import KimiPassConfig
 from kimi_passes.errors import AuxCaptureError
-from kimi_passes.fusion import AttnResFusionPass
-from kimi_passes.lowering import LowerKimiOps
 from kimi_passes.passes.fx_toolkit import calls_to
-from kimi_passes.passes.manager import KimiPassManager
+from kimi_passes.passes.kimi_calls import AUX_TAP
+from kimi_passes.pipeline import pass_manager, pre_autograd_manager, training_manager
 from kimi_passes.taps.aux_stream import AuxStreamPass, GraphEnd
-from kimi_passes.taps.consumer import AUX_TAP
-from kimi_passes.taps.drafter import DrafterTaps, drafter_capture_ids
-from kimi_passes.taps.stream import resolve_aux_stream
 from kimi_passes.training.pre_autograd import fuse_before_autograd, needs_autograd
 
 BACKEND_NAME = "kimi"
@@ -30,21 +28,6 @@ BACKEND_NAME = "kimi"
 def _has_taps(gm: torch.fx.GraphModule) -> bool:
     # Dynamo records the op packet (``torch.ops.kimi.aux_tap(...)``), ATen graphs .default.
     return bool(calls_to(gm.graph, AUX_TAP, torch.ops.kimi.aux_tap))
-
-
-def build_passes(aux_stream: str, fuse_capture: bool = True, fuse_torch_mixing: bool = True,
-                 observers=(), drafter: DrafterTaps | None = None,
-                 lower_kimi_ops: bool = True) -> KimiPassManager:
-    """The pass list: AttnRes mixing fusion (``fuse_torch_mixing``), then the aux stream;
-    then, on CPU, the kimi ops lowered to generated code (``lower_kimi_ops``).
-
-    ``drafter``: the capture ids the drafter declares (``drafter_capture_ids``); every
-    compiled graph must tap exactly those it owns.
-    """
-    passes = [AttnResFusionPass()] if fuse_torch_mixing else []
-    aux = AuxStreamPass(aux_stream, fuse=fuse_capture, drafter=drafter, lower=False)
-    return KimiPassManager([*passes, aux], observers,
-                           lowering=LowerKimiOps() if lower_kimi_ops else None)
 
 
 def graph_end(gm: torch.fx.GraphModule) -> GraphEnd:
@@ -60,26 +43,35 @@ def graph_end(gm: torch.fx.GraphModule) -> GraphEnd:
 class KimiBackend:
     """A ``torch.compile`` backend: Inductor plus the kimi passes, options fixed at creation.
 
-    Graphs without a backward run ``passes`` post-grad (mixing fusion, then the aux
-    stream). Graphs that need a backward are fused by ``pre_autograd`` before AOTAutograd
-    (``kimi_passes.training``: a fused forward and a fused backward) and run ``training_passes``
-    post-grad: the same aux-stream pass, no second fusion. The two post-grad managers share
-    their observers.
+    ``KimiBackend(config)`` takes a ``KimiPassConfig``; ``KimiBackend(**options)`` builds
+    one from the options, and any keyword that is not an option is an Inductor config patch.
+    Graphs without a backward run ``passes`` post-grad (``pipeline.pass_manager``). Graphs
+    that need a backward are fused by ``pre_autograd`` before AOTAutograd
+    (``kimi_passes.training``) and run ``training_passes`` post-grad: the same aux-stream
+    pass and lowering, no second fusion, the same observers.
     """
 
-    def __init__(self, aux_stream=None, draft_config=None, fuse_capture=True,
-                 fuse_torch_mixing=True, lower_kimi_ops=True, **inductor_config):
-        self.aux_stream = resolve_aux_stream(aux_stream, draft_config)
-        self.drafter = drafter_capture_ids(draft_config)
-        self.passes = build_passes(self.aux_stream, fuse_capture, fuse_torch_mixing,
-                                   drafter=self.drafter, lower_kimi_ops=lower_kimi_ops)
-        self.training_passes = KimiPassManager([self.aux_pass],
-                                               lowering=self.passes.lowering)
-        self.training_passes.observers = self.passes.observers
-        self.pre_autograd = KimiPassManager(
-            [AttnResFusionPass(differentiable=True)], phase="pre_autograd") if (
-            fuse_torch_mixing) else None
-        self.inductor_config = inductor_config
+    def __init__(self, config: KimiPassConfig | None = None, /, **options):
+        if config is None:
+            config, options = KimiPassConfig.split(options)
+        else:
+            given = sorted(set(options) & set(KimiPassConfig.option_names()))
+            if given:
+                raise TypeError(f"KimiBackend: give a KimiPassConfig or the options {given}, "
+                                "not both")
+        self.config = config
+        self.passes = pass_manager(config)
+        self.training_passes = training_manager(self.passes)
+        self.pre_autograd = pre_autograd_manager(config)
+        self.inductor_config = options
+
+    @property
+    def aux_stream(self) -> str:
+        return self.config.aux_stream
+
+    @property
+    def drafter(self):
+        return self.config.drafter
 
     @property
     def aux_pass(self) -> AuxStreamPass:
@@ -120,35 +112,25 @@ class KimiBackend:
             raise
 
     def __repr__(self) -> str:
-        drafter = "" if self.drafter is None else (
-            f", drafter_capture_ids={list(self.drafter.capture_ids)}")
-        return f"KimiBackend(aux_stream={self.aux_stream!r}{drafter})"
+        return f"KimiBackend({self.config!r})"
 
 
-def make_kimi_backend(aux_stream: str | None = None, draft_config=None, **inductor_config):
-    """A backend serving ``aux_stream`` (argument > $KIMI_PASSES_AUX_STREAM > drafter > attn_res).
+def make_kimi_backend(aux_stream: str | None = None, **options) -> KimiBackend:
+    """A backend for ``KimiPassConfig.build(aux_stream=aux_stream, **options)``.
 
-    ``draft_config``: a drafter config dict, or the path of its config.json (or folder),
-    whose ``aux_hidden_stream`` names the stream it was trained on and whose layer list
-    (any spelling ``drafter_capture_ids`` reads) names the capture ids it reads: every
-    compiled graph must then tap exactly those, or ``AuxCaptureError``. Extra keyword
-    arguments are Inductor config patches (plus ``fuse_capture``, the aux-stream
-    pass's switch: False captures with a separate ``attn_res_mix`` read;
-    ``fuse_torch_mixing``: False leaves AttnRes mixing written in plain torch unfused; and
-    ``lower_kimi_ops``: False keeps CPU kimi ops as op calls instead of generated code).
+    The options are ``KimiPassConfig``'s (README "Options"); every other keyword is an
+    Inductor config patch for the compiles this backend runs.
     """
-    return KimiBackend(aux_stream, draft_config, **inductor_config)
+    return KimiBackend(aux_stream=aux_stream, **options)
 
 
 def kimi_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None,
                  mode: str | None = None):
-    """Inductor with the aux-stream pass; stream resolved per compile (see ``make_kimi_backend``).
+    """Inductor with the kimi passes, built per compile from ``options``.
 
-    ``torch.compile(m, backend="kimi", options={...})`` passes ``options`` here:
-    ``aux_stream``, ``draft_config``, ``fuse_capture``, ``fuse_torch_mixing`` and Inductor
-    config patches. ``torch.compile(m, backend=kimi_backend, mode="reduce-overhead")``
-    passes ``mode``: it sets the Inductor options it sets for plain Inductor (CUDA graphs
-    for ``"reduce-overhead"``).
+    ``torch.compile(m, backend="kimi", options={...})`` passes ``options`` here (the
+    ``KimiPassConfig`` options and Inductor config patches); ``mode`` is ``torch.compile``'s
+    (``"reduce-overhead"`` sets CUDA graphs, as for plain Inductor).
     """
     return KimiBackend(**(options or {}))(gm, example_inputs, mode=mode)
 

@@ -37,46 +37,46 @@ except ImportError:  # older vLLM
 
 import torch
 
-from kimi_passes.backend import KimiPassManager, build_passes
+from kimi_passes.config.drafter import DrafterTaps, drafter_capture_ids
+from kimi_passes.config.pass_config import KimiPassConfig
 from kimi_passes.errors import AuxCaptureError
+from kimi_passes.passes.manager import KimiPassManager
+from kimi_passes.pipeline import pass_manager
 from kimi_passes.taps.aux_stream import AuxStreamPass
-from kimi_passes.taps.drafter import DrafterTaps, drafter_capture_ids
-from kimi_passes.taps.stream import resolve_aux_stream
 
 #: The key vLLM reads the user's post-grad pass from.
 PASS_KEY = "post_grad_custom_post_pass"
 
 
 class KimiVllmPass(InductorPass):
-    """vLLM's ``InductorPass`` running the ``kimi_backend`` pass manager.
+    """vLLM's ``InductorPass`` running the kimi pass manager for a ``KimiPassConfig``.
 
-    ``uuid()`` is the manager's (every pass source, the stream, every option and the
-    drafter's capture ids), so vLLM's compile cache and Inductor's FX graph cache never
-    serve one stream's or one drafter's graph to another.
+    ``uuid()`` is the manager's (every pass source and every option of the record, the
+    drafter's capture ids included), so vLLM's compile cache and Inductor's FX graph cache
+    never serve one stream's or one drafter's graph to another.
 
-    The drafter: ``draft_config`` when given, else the one vLLM serves
+    The drafter: the record's when it was built from a ``draft_config``; else, with
+    ``serve_drafter`` (the default), the one vLLM serves
     (``speculative_config.draft_model_config.hf_config``, read when vLLM compiles, for the
     methods that feed a drafter aux hidden states), so the string route checks it too.
     """
 
-    def __init__(self, aux_stream: str, fuse_capture: bool = True,
-                 fuse_torch_mixing: bool = True, draft_config=None):
-        self.aux_stream = aux_stream
-        self.fuse_capture = fuse_capture
-        self.fuse_torch_mixing = fuse_torch_mixing
-        self.draft_config = draft_config
-        self.manager: KimiPassManager = build_passes(
-            aux_stream, fuse_capture, fuse_torch_mixing,
-            drafter=drafter_capture_ids(draft_config))
+    def __init__(self, config: KimiPassConfig | None = None, serve_drafter: bool = True):
+        self.config = KimiPassConfig() if config is None else config
+        self.serve_drafter = serve_drafter
+        self.manager: KimiPassManager = pass_manager(self.config)
+
+    @property
+    def aux_stream(self) -> str:
+        return self.config.aux_stream
 
     def _sync_drafter(self) -> None:
-        """Without an explicit ``draft_config``, check against the drafter vLLM serves."""
-        if self.draft_config is not None:
+        """With ``serve_drafter``, check against the drafter vLLM serves now."""
+        if not self.serve_drafter:
             return
         drafter = served_drafter()
-        aux = self.manager.get(AuxStreamPass)
-        if drafter != aux.drafter:
-            aux.drafter = drafter
+        if drafter != self.manager.config.drafter:
+            self.manager = pass_manager(self.config.with_drafter(drafter))
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         self._sync_drafter()
@@ -105,16 +105,12 @@ class KimiVllmPass(InductorPass):
         return True
 
     def __deepcopy__(self, memo):
-        # vLLM deep-copies its config; a fresh manager with the same options is equal.
-        return KimiVllmPass(self.aux_stream, self.fuse_capture, self.fuse_torch_mixing,
-                            self.draft_config)
+        # vLLM deep-copies its config; a fresh manager for the same record is equal.
+        return KimiVllmPass(self.config, self.serve_drafter)
 
     def __repr__(self) -> str:
-        drafter = self.manager.get(AuxStreamPass).drafter
-        ids = "" if drafter is None else f", drafter_capture_ids={list(drafter.capture_ids)}"
-        return (f"KimiVllmPass(aux_stream={self.aux_stream!r}, "
-                f"fuse_capture={self.fuse_capture}, "
-                f"fuse_torch_mixing={self.fuse_torch_mixing}{ids})")
+        served = ", serve_drafter=True" if self.serve_drafter else ""
+        return f"KimiVllmPass({self.manager.config!r}{served})"
 
 
 #: vLLM's speculative methods whose drafter reads the target's aux hidden states
@@ -156,29 +152,25 @@ def _splitting_ops() -> tuple[str, ...] | None:
     return tuple(cc.splitting_ops)
 
 
-def aux_stream_pass(aux_stream: str | None = None, draft_config=None, fuse_capture: bool = True,
-                    fuse_torch_mixing: bool = True) -> KimiVllmPass:
+def aux_stream_pass(aux_stream: str | None = None, **options) -> KimiVllmPass:
     """The kimi passes as vLLM's ``post_grad_custom_post_pass``.
 
-    The stream resolves as for ``make_kimi_backend``: ``aux_stream``, else
-    ``$KIMI_PASSES_AUX_STREAM``, else the drafter config's ``aux_hidden_stream``,
-    else ``"attn_res"``; once, here.
+    The options are ``KimiPassConfig``'s, resolved once, here (the stream as for
+    ``make_kimi_backend``). Without a ``draft_config`` the pass checks the drafter vLLM
+    serves.
     """
-    stream = resolve_aux_stream(aux_stream, draft_config)
-    return KimiVllmPass(stream, fuse_capture, fuse_torch_mixing, draft_config)
+    config = KimiPassConfig.build(aux_stream=aux_stream, **options)
+    return KimiVllmPass(config, serve_drafter=options.get("draft_config") is None)
 
 
-def compile_config_entries(aux_stream: str | None = None, draft_config=None,
-                           fuse_capture: bool = True,
-                           fuse_torch_mixing: bool = True) -> dict[str, Any]:
+def compile_config_entries(aux_stream: str | None = None, **options) -> dict[str, Any]:
     """The ``CompilationConfig.inductor_compile_config`` entries to add, as a dict."""
-    return {PASS_KEY: aux_stream_pass(aux_stream, draft_config, fuse_capture,
-                                      fuse_torch_mixing)}
+    return {PASS_KEY: aux_stream_pass(aux_stream, **options)}
 
 
 #: For the string route (see the module docstring); fixed streams, default options.
-attn_res_stream_pass = KimiVllmPass("attn_res")
-prefix_stream_pass = KimiVllmPass("prefix")
+attn_res_stream_pass = KimiVllmPass(KimiPassConfig(aux_stream="attn_res"))
+prefix_stream_pass = KimiVllmPass(KimiPassConfig(aux_stream="prefix"))
 
 _top = sys.modules["kimi_passes"]
 _top.attn_res_stream_pass = attn_res_stream_pass

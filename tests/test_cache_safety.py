@@ -19,6 +19,7 @@ and edit a dependency (``consumer.py``, ``fx_toolkit.py``): the key must change.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -28,9 +29,9 @@ import torch
 from op_helpers import OP_TOL
 from process_helpers import one_after_another
 
-from kimi_passes.backend import build_passes
 from kimi_passes.fusion import AttnResFusionPass
 from kimi_passes.passes import cache_key
+from kimi_passes.pipeline import pass_manager
 from kimi_passes.taps.aux_stream import AuxStreamPass
 
 SCRIPT = r"""
@@ -126,7 +127,7 @@ def test_aot_autograd_cache_agrees(runs):
 # --------------------------------------------------------------------------- code in the key
 
 PASSES = {"aux_stream": lambda: AuxStreamPass("attn_res"), "fusion": AttnResFusionPass,
-          "manager": lambda: build_passes("attn_res")}
+          "manager": lambda: pass_manager(aux_stream="attn_res")}
 
 
 @pytest.fixture
@@ -145,7 +146,8 @@ def source_copies(tmp_path, monkeypatch):
     return locate
 
 
-@pytest.mark.parametrize("edited", ["kimi_passes.taps.consumer", "kimi_passes.passes.fx_toolkit"])
+@pytest.mark.parametrize("edited", ["kimi_passes.passes.kimi_calls",
+                                    "kimi_passes.passes.fx_toolkit"])
 @pytest.mark.parametrize("which", sorted(PASSES))
 def test_an_edit_to_a_dependency_changes_the_key(source_copies, which, edited):
     p = PASSES[which]()
@@ -168,16 +170,31 @@ def test_an_edit_elsewhere_keeps_the_key(source_copies, which):
 
 def test_the_key_names_the_modules_a_rewrite_runs():
     aux, fusion = AuxStreamPass().source_modules(), AttnResFusionPass().source_modules()
-    for needed in ("kimi_passes.taps.consumer", "kimi_passes.passes.fx_toolkit",
+    for needed in ("kimi_passes.passes.kimi_calls", "kimi_passes.passes.fx_toolkit",
                    "kimi_passes.passes.base", "kimi_passes.ops.library"):
         assert needed in aux and needed in fusion, needed
     assert {"kimi_passes.fusion.evaluator", "kimi_passes.fusion.rewrite"} <= set(fusion)
     assert "kimi_passes.taps.aux_stream" in aux and "kimi_passes.fusion" not in aux
+    assert "kimi_passes.taps.consumer" in aux
 
 
 def test_options_and_pass_name_are_in_the_key():
     assert AuxStreamPass("attn_res").uuid() != AuxStreamPass("prefix").uuid()
     assert AuxStreamPass(fuse=True).uuid() != AuxStreamPass(fuse=False).uuid()
     assert AttnResFusionPass(debug=True).uuid() == AttnResFusionPass(debug=False).uuid()
-    assert build_passes("attn_res").uuid() != build_passes("attn_res", fuse_torch_mixing=False
-                                                           ).uuid()
+
+
+def test_every_option_of_the_record_is_in_the_managers_key():
+    """KimiPassConfig's key is part of the manager's uuid(): each option, flipped alone,
+    changes it (lower_kimi_ops and the drafter's ids included)."""
+    from kimi_passes.config import KimiPassConfig
+
+    base = KimiPassConfig()
+    flipped = [dataclasses.replace(base, **{f.name: not getattr(base, f.name)})
+               for f in dataclasses.fields(base) if f.type == "bool"]
+    flipped += [dataclasses.replace(base, aux_stream="prefix"),
+                KimiPassConfig.build(draft_config={"eagle_aux_hidden_state_layer_ids": [1, 2]})]
+    assert len(flipped) == len(dataclasses.fields(base))  # every field, once
+    keys = {pass_manager(c).uuid() for c in [base, *flipped]}
+    assert len(keys) == len(flipped) + 1
+    assert pass_manager(base).uuid() == pass_manager(KimiPassConfig()).uuid()  # stable

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from kimi_passes import drafter_capture_ids
-from kimi_passes.taps.drafter import AS_IS, PLUS_ONE
+from kimi_passes.config.drafter import AS_IS, PLUS_ONE
 
 # (config, capture ids, key, convention, format): one spelling each.
 SPELLINGS = [

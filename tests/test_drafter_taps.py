@@ -22,7 +22,7 @@ from process_helpers import one_after_another
 
 import kimi_passes.graphs.k3 as k3_module
 from kimi_passes import AuxCaptureError, AuxStreamPass, aux_tap, make_kimi_backend
-from kimi_passes.taps.drafter import drafter_capture_ids
+from kimi_passes.config.drafter import drafter_capture_ids
 
 CFG = small_config(4, 2, taps=(0, 2, 3, 4))  # 4 layers, blocks of 2; taps 0, 2, 3 and L=4
 

@@ -17,7 +17,7 @@ from k3_helpers import assert_taps_close, inference_model, small_config, token_i
 from op_helpers import DTYPES, OP_TOL, clone_args, make_args, mix_args
 from torch._inductor.utils import run_and_get_code
 
-from kimi_passes import AuxStreamPass, make_kimi_backend
+from kimi_passes import AuxStreamPass, make_kimi_backend, pass_manager
 from kimi_passes.graphs.k3 import K3Config, K3Model
 
 pytestmark = pytest.mark.usefixtures("caches_off")
@@ -158,28 +158,50 @@ def test_fallback_by_default_keeps_the_ops():
     assert_taps_close(taps, want, torch.float32)
 
 
-def test_aux_stream_pass_alone_lowers():
+def test_the_pass_manager_installed_alone_lowers():
+    """The public route for a stack with its own backend: ``pass_manager`` as Inductor's
+    ``post_grad_custom_post_pass``."""
     cfg = small_config(2, 1, taps=(0, 1, 2))
     model = inference_model(cfg)
     ids = token_ids(cfg)
     with torch.no_grad(), torch._inductor.config.patch(
-            post_grad_custom_post_pass=AuxStreamPass("attn_res")):
+            post_grad_custom_post_pass=pass_manager(aux_stream="attn_res")):
         (_, taps), code = compile_run(model, ids, backend="inductor")
         want = model.ground_truth(ids)[1]
     assert kimi_calls(code) == 0
     assert_taps_close(taps, want, torch.float32)
 
 
+def test_aux_stream_pass_alone_warns_once_naming_the_manager(monkeypatch):
+    """``AuxStreamPass`` alone rewrites the taps only: on CPU it says, once, that the kimi
+    calls stay op calls and names the route that lowers them."""
+    import kimi_passes.taps.aux_stream as aux_stream
+
+    monkeypatch.setattr(aux_stream, "_warned_alone", False)
+    cfg = small_config(2, 1, taps=(0, 1, 2))
+    model = inference_model(cfg)
+    ids = token_ids(cfg)
+    with torch.no_grad(), torch._inductor.config.patch(
+            post_grad_custom_post_pass=AuxStreamPass("attn_res"), fallback_by_default=True), \
+            pytest.warns(UserWarning, match=r"kimi_passes\.pass_manager\(") as caught:
+        (_, taps), _ = compile_run(model, ids, backend="inductor")
+        torch._dynamo.reset()
+        compile_run(model, ids, backend="inductor")  # a second compile: no second warning
+        want = model.ground_truth(ids)[1]
+    assert sum("AuxStreamPass installed alone" in str(w.message) for w in caught) == 1
+    assert_taps_close(taps, want, torch.float32)
+
+
 @pytest.mark.heavy
 @pytest.mark.codegen
 def test_aoti_package_of_the_reference_k3(tmp_path):
-    """AOTInductor export with AuxStreamPass alone: the package's taps are the mixtures."""
+    """AOTInductor export with the pass manager: the package's taps are the mixtures."""
     model = K3Model(K3Config.tiny()).eval()
     ids = token_ids(K3Config.tiny(), 16)
     ep = torch.export.export(model, (ids,), strict=False)
     path = torch._inductor.aoti_compile_and_package(
         ep, package_path=str(tmp_path / "k3.pt2"),
-        inductor_configs={"post_grad_custom_post_pass": AuxStreamPass("attn_res")})
+        inductor_configs={"post_grad_custom_post_pass": pass_manager(aux_stream="attn_res")})
     runner = torch._inductor.aoti_load_package(path)
     with torch.no_grad():
         out, taps = runner(ids)

@@ -11,9 +11,9 @@ import logging
 import pytest
 import torch
 
-from kimi_passes.backend import build_passes
 from kimi_passes.passes.base import KimiGraphPass
 from kimi_passes.passes.manager import KimiPassManager, PassObserver
+from kimi_passes.pipeline import pass_manager
 
 
 @pytest.fixture
@@ -40,7 +40,7 @@ def small_graph() -> torch.fx.Graph:
              "post_grad.1.LowerKimiOps.before", "post_grad.1.LowerKimiOps.after"]),
 ])
 def test_dump_indices_follow_the_pass_order(dumped, fuse, want):
-    build_passes("attn_res", fuse_torch_mixing=fuse)(small_graph())
+    pass_manager(aux_stream="attn_res", fuse_torch_mixing=fuse)(small_graph())
     assert dumped == want
 
 

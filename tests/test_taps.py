@@ -271,6 +271,7 @@ def test_stream_resolution_order(monkeypatch, tmp_path):
 
 
 @torch.no_grad()
+@pytest.mark.filterwarnings("ignore:kimi_passes. AuxStreamPass installed alone")  # test_lowering
 def test_pass_alone_as_post_grad_custom_post_pass():
     cfg = small_config(3, 1, (0, 2, 3))
     model = inference_model(cfg)

@@ -252,21 +252,21 @@ def test_split_at_the_tap_marker_is_refused(stream):
 
 
 def test_adapter_object():
-    from kimi_passes.backend import build_passes
+    from kimi_passes.pipeline import pass_manager
     from kimi_passes.vllm import InductorPass, KimiVllmPass, aux_stream_pass
 
     p = aux_stream_pass("prefix", fuse_capture=False)
     assert isinstance(p, InductorPass)
-    assert p.uuid() == build_passes("prefix", False, True).uuid()
+    assert p.uuid() == pass_manager(aux_stream="prefix", fuse_capture=False).uuid()
     assert len({aux_stream_pass(s, fuse_capture=f, fuse_torch_mixing=m).uuid()
                 for s in ("attn_res", "prefix") for f in (True, False)
                 for m in (True, False)}) == 8
     assert p.is_applicable_for_range(None) and p.is_applicable_for_shape(None)
     q = copy.deepcopy(p)  # vLLM deep-copies its config
     assert isinstance(q, KimiVllmPass) and q is not p and q.manager is not p.manager
-    assert (q.aux_stream, q.fuse_capture, q.uuid()) == ("prefix", False, p.uuid())
+    assert (q.config, q.serve_drafter, q.uuid()) == (p.config, True, p.uuid())
     r = pickle.loads(pickle.dumps(p))  # and sends it to worker processes
-    assert (r.aux_stream, r.fuse_capture, r.uuid()) == ("prefix", False, p.uuid())
+    assert (r.config, r.serve_drafter, r.uuid()) == (p.config, True, p.uuid())
 
 
 def test_vllm_config_hash_covers_the_stream_and_options():

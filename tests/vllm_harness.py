@@ -161,7 +161,7 @@ def callable_route_module(stream: str, unguarded: bool = False) -> str:
     from unittest import mock
 
     from kimi_passes import AuxStreamPass
-    from kimi_passes.taps.stream import ENV_VAR, resolve_aux_stream
+    from kimi_passes.config.stream import ENV_VAR, resolve_aux_stream
 
     name = "kimi_vllm_callable_route"
     module = types.ModuleType(name)

@@ -81,10 +81,9 @@ def time_pass(graph, reps: int, profile: bool = False) -> dict:
     ``aux_time_s``: ``AuxStreamPass`` alone; ``aux_unfused_time_s``: it with ``fuse=False``
     (the vLLM-style capture). Interleaved; the graph copies are made outside the timing.
     """
-    from kimi_passes import AuxStreamPass
-    from kimi_passes.backend import build_passes
+    from kimi_passes import AuxStreamPass, pass_manager
 
-    makers = {"time_s": lambda: build_passes("attn_res"),
+    makers = {"time_s": lambda: pass_manager(aux_stream="attn_res"),
               "aux_time_s": lambda: AuxStreamPass("attn_res"),
               "aux_unfused_time_s": lambda: AuxStreamPass("attn_res", fuse=False)}
     ts: dict[str, list[float]] = {k: [] for k in makers}
@@ -98,7 +97,7 @@ def time_pass(graph, reps: int, profile: bool = False) -> dict:
     res["nodes"] = len(graph.nodes)
     res["taps"] = sum(1 for n in graph.nodes if n.target is torch.ops.kimi.aux_tap.default)
     if profile:
-        g, p = copy.deepcopy(graph), build_passes("attn_res")
+        g, p = copy.deepcopy(graph), pass_manager(aux_stream="attn_res")
         prof = cProfile.Profile()
         prof.enable()
         p(g)

@@ -116,7 +116,7 @@ from kimi_passes.fusion.sources import split_sources
 from kimi_passes.fusion.values import NoMatch
 from kimi_passes.passes.base import KimiGraphPass, logger
 from kimi_passes.passes.fx_toolkit import CASTS, calls_to
-from kimi_passes.taps.consumer import AUX_TAP
+from kimi_passes.passes.kimi_calls import AUX_TAP
 
 aten = torch.ops.aten
 

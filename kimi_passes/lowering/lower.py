@@ -38,7 +38,7 @@ from kimi_passes.lowering import decompositions as dec
 from kimi_passes.ops.conventions import MUTATED_ARGS as MUTATED
 from kimi_passes.passes.base import KimiGraphPass
 from kimi_passes.passes.fx_toolkit import call_function
-from kimi_passes.taps.consumer import AttnResCall, attn_res_calls
+from kimi_passes.passes.kimi_calls import AttnResCall, attn_res_calls
 
 kimi = torch.ops.kimi
 #: The dtypes the statements are written for (fp32 accumulation); fp64 (the tests'

@@ -1,15 +1,21 @@
 """``KimiPassManager``: the kimi passes in order as one Inductor custom pass; ``PassObserver``.
 
-Inductor (and vLLM) take one ``post_grad_custom_post_pass``; the manager is that one object
-and its ``uuid()`` folds in each pass's key. Observers watch a run without changing the
-graph (goldens record through one, benchmarks time through one).
+Inductor (and vLLM) take one ``post_grad_custom_post_pass``; the manager is that one object.
+Its ``uuid()`` hashes the options record it was built for (``KimiPassConfig.key()``) and
+folds in each pass's key. Observers watch a run without changing the graph (goldens record
+through one, benchmarks time through one). Which passes a record asks for is
+``kimi_passes.pipeline``'s business; the manager only runs them.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from kimi_passes.config.pass_config import KimiPassConfig
 from kimi_passes.passes.host_key import check_host_key
 
 
@@ -38,13 +44,17 @@ class KimiPassManager(CustomGraphPass):
     ``post_grad``, or ``pre_autograd`` for the manager that fuses training graphs).
     """
 
-    def __init__(self, passes, observers=(), phase: str = "post_grad", lowering=None):
+    def __init__(self, passes, observers=(), phase: str = "post_grad", lowering=None,
+                 config: KimiPassConfig | None = None):
         self.passes = list(passes)
         self.observers: list[PassObserver] = list(observers)
         self.phase = phase
         #: Run after the passes and the observers (``kimi_passes.lowering.LowerKimiOps``):
         #: the passes and the goldens see the kimi ops; Inductor then gets generated code.
         self.lowering = lowering
+        #: The options the passes were built for (part of ``uuid()``); None for a manager
+        #: assembled by hand from passes, whose keys then carry every option.
+        self.config = config
 
     def observe(self, observer: PassObserver) -> PassObserver:
         """Add ``observer``; returns it."""
@@ -68,7 +78,10 @@ class KimiPassManager(CustomGraphPass):
 
     def uuid(self) -> str:
         passes = self.passes + ([self.lowering] if self.lowering is not None else [])
-        return ":".join(p.uuid() for p in passes)
+        config = {} if self.config is None else self.config.key()
+        head = hashlib.sha256(json.dumps({"phase": self.phase, **config},
+                                         sort_keys=True).encode()).hexdigest()[:16]
+        return ":".join([head, *(p.uuid() for p in passes)])
 
     def get(self, cls):
         return next(p for p in self.passes if isinstance(p, cls))

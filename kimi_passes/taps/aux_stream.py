@@ -34,30 +34,37 @@ claiming one id, and markers in a graph with no AttnRes op. A tap cut off from i
 consumer by a graph break names the break; under a host that compiles the model in pieces
 (vLLM), the splitting ops. With a drafter config (``drafter``), a graph whose taps are not
 exactly the declared ids it owns (``taps/served.py``), before any rewrite.
+
+The pass rewrites taps and nothing else. ``kimi_passes.pass_manager`` runs it after the
+mixing fusion and before the CPU lowering; installed alone as Inductor's
+``post_grad_custom_post_pass`` on a graph with CPU kimi calls, it warns once, naming the
+manager, since those calls then stay op calls.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 from torch.fx import Node
 
+from kimi_passes.config.drafter import DrafterTaps
+from kimi_passes.config.stream import STREAMS
 from kimi_passes.errors import AuxCaptureError
 from kimi_passes.ops.conventions import cdiv
 from kimi_passes.passes.base import KimiGraphPass
 from kimi_passes.passes.fx_toolkit import call_function, calls_to
 from kimi_passes.passes.host_key import check_host_key
-from kimi_passes.taps.consumer import (
+from kimi_passes.passes.kimi_calls import (
     AUX_TAP,
     AttnResCall,
     attn_res_calls,
-    find_consumers,
+    cpu_kimi_calls,
     mix_nodes,
 )
-from kimi_passes.taps.drafter import DrafterTaps
+from kimi_passes.taps.consumer import find_consumers
 from kimi_passes.taps.served import DrafterCheck
-from kimi_passes.taps.stream import STREAMS
 
 kimi = torch.ops.kimi
 
@@ -91,16 +98,13 @@ class AuxStreamPass(KimiGraphPass):
     """Rewrite ``kimi.aux_tap`` markers to the stream a drafter was trained on."""
 
     def __init__(self, stream: str = "attn_res", fuse: bool = True,
-                 drafter: DrafterTaps | None = None, lower: bool = True):
+                 drafter: DrafterTaps | None = None):
         if stream not in STREAMS:
             raise ValueError(
                 f"AuxStreamPass: unknown stream {stream!r}; use one of {list(STREAMS)}"
             )
         self.stream = stream
         self.fuse = fuse
-        #: Installed alone (``post_grad_custom_post_pass``, AOTInductor), the pass also lowers
-        #: the graph's CPU kimi ops to generated code; a ``KimiPassManager`` does that itself.
-        self.lower = lower
         #: Rewrites made by the last call (for tests, tools and the main job).
         self.last_rewrites: list[TapRewrite] = []
         #: Set by a host that compiles the model in pieces (kimi_passes.vllm): the ops
@@ -127,17 +131,13 @@ class AuxStreamPass(KimiGraphPass):
         # The declared ids are part of the key: a new drafter never reuses a graph checked
         # against another (speculators #996: ids that changed and silently did nothing).
         drafter = self.drafter.key_options() if self.drafter is not None else {}
-        return {"stream": self.stream, "fuse": self.fuse, "lower": self.lower, **drafter}
+        return {"stream": self.stream, "fuse": self.fuse, **drafter}
 
     def run(self, graph: torch.fx.Graph) -> list[str]:
         check_host_key(self)
         lines = self._rewrite_taps(graph)
-        if self.lower:
-            # Imported here: the lowering reads calls through taps.consumer, whose package
-            # imports this module.
-            from kimi_passes.lowering.lower import LowerKimiOps
-
-            lines += LowerKimiOps().run(graph)
+        if _installed_alone(self) and cpu_kimi_calls(graph):
+            _warn_alone_once()
         return lines
 
     def _rewrite_taps(self, graph: torch.fx.Graph) -> list[str]:
@@ -197,6 +197,31 @@ class AuxStreamPass(KimiGraphPass):
             after=max(prefix, blocks), stands_for=call.node,  # the later (graph order)
         )
         return mix, False
+
+
+#: Whether the warning of ``_warn_alone_once`` was given (once per process).
+_warned_alone = False
+
+
+def _installed_alone(pass_: AuxStreamPass) -> bool:
+    """Is ``pass_`` itself Inductor's ``post_grad_custom_post_pass`` (not run by a manager)?"""
+    host = torch._inductor.config.post_grad_custom_post_pass
+    return host is pass_ or (isinstance(host, (list, tuple)) and any(h is pass_ for h in host))
+
+
+def _warn_alone_once() -> None:
+    """The pass alone rewrites taps only: on CPU the kimi calls stay op calls."""
+    global _warned_alone
+    if _warned_alone:
+        return
+    _warned_alone = True
+    warnings.warn(
+        "kimi_passes: AuxStreamPass installed alone as post_grad_custom_post_pass rewrites "
+        "the aux taps only: this CPU graph's kimi op calls stay op calls instead of "
+        "generated code, and AttnRes mixing written in plain torch is not fused. Install "
+        "the pass manager instead: post_grad_custom_post_pass = kimi_passes.pass_manager("
+        "aux_stream=..., draft_config=...) (the same options as make_kimi_backend)",
+        UserWarning, stacklevel=2)
 
 
 def _to_capture(graph: torch.fx.Graph, call: AttnResCall) -> AttnResCall:

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+from kimi_passes.config.drafter import PLUS_ONE, DrafterTaps
 from kimi_passes.errors import AuxCaptureError
-from kimi_passes.taps.drafter import PLUS_ONE, DrafterTaps
 
 
 class DrafterCheck:

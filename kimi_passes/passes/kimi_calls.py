@@ -1,0 +1,121 @@
+"""The kimi calls of a post-grad FX graph, as every pass reads them.
+
+In the functional post-grad graph a mutating ``kimi.attn_res`` call is an
+``auto_functionalized`` (v1) or ``auto_functionalized_v2`` node. ``AttnResCall``
+hides the difference: it names the call's prefix, delta, blocks, weights and
+int arguments, and where its outputs (the op's return, then the mutated bases)
+are read. ``layer_index`` names the decoder layer a node was traced in;
+``on_cpu`` tells where a kimi call runs. The aux-stream rewrite, the fusion, the
+lowering and the backend read calls through this module only.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
+from torch.fx import Node
+
+from kimi_passes.ops.conventions import MUTATED_ARGS
+from kimi_passes.passes.fx_toolkit import calls_to, functional_calls, getitem, kimi_op
+
+kimi = torch.ops.kimi
+
+ATTN_RES_OPS = (kimi.attn_res.default, kimi.attn_res_capture.default)
+AUX_TAP = kimi.aux_tap.default
+ATTN_RES_MIX = kimi.attn_res_mix.default
+
+# Module path of a decoder layer: "layers.3", "layers['3']" or "layers[3]".
+_LAYER_PATH = re.compile(r"layers(?:\.|\[['\"]?)(\d+)")
+
+
+def layer_index(node: Node) -> int | None:
+    """The decoder layer a node was traced in (from Dynamo's nn_module_stack), if any."""
+    stack = node.meta.get("nn_module_stack") or {}
+    for path, *_ in reversed(list(stack.values())):
+        found = _LAYER_PATH.findall(str(path))
+        if found:
+            return int(found[-1])
+    return None
+
+
+@dataclass
+class AttnResCall:
+    """One functionalized ``kimi.attn_res`` / ``attn_res_capture`` call."""
+
+    node: Node
+
+    @property
+    def op(self):
+        return self.node.args[0]
+
+    @property
+    def is_v2(self) -> bool:
+        return self.node.target is auto_functionalized_v2
+
+    def arg(self, name: str):
+        if name in MUTATED_ARGS:
+            return self.base(name)
+        return self.node.kwargs.get(name)
+
+    def base(self, name: str) -> Node:
+        """The value passed as mutated argument ``name`` (prefix or blocks)."""
+        if self.is_v2:
+            return self.node.kwargs["_all_bases"][self.node.kwargs[f"_{name}_base_index"]]
+        return self.node.kwargs[name]
+
+    @property
+    def num_returns(self) -> int:
+        return 2 if self.op is kimi.attn_res_capture.default else 1
+
+    def output_index(self, name: str) -> int:
+        """getitem index of a mutated base's new value."""
+        if self.is_v2:
+            return self.num_returns + self.node.kwargs[f"_{name}_base_index"]
+        return self.num_returns + MUTATED_ARGS.index(name)
+
+    @property
+    def layer(self) -> int | None:
+        return layer_index(self.node)
+
+    @property
+    def has_output_norm(self) -> bool:
+        return self.node.kwargs.get("output_norm_weight") is not None
+
+    def getitem(self, index: int) -> Node:
+        """The existing ``getitem(node, index)`` user, or a new one right after the call."""
+        return getitem(self.node, index)
+
+    def describe(self) -> str:
+        where = "output aggregation" if self.layer is None else f"layer {self.layer}"
+        return (
+            f"{where} {self.op.name()}(num_blocks={self.arg('num_blocks')}, "
+            f"block_write_idx={self.arg('block_write_idx')})"
+        )
+
+
+def attn_res_calls(graph: torch.fx.Graph) -> list[AttnResCall]:
+    """Every functionalized AttnRes call, in graph order."""
+    return [AttnResCall(n) for n in functional_calls(graph, ATTN_RES_OPS)]
+
+
+def mix_nodes(graph: torch.fx.Graph) -> list[Node]:
+    """Every ``kimi.attn_res_mix`` node, in graph order."""
+    return calls_to(graph, ATTN_RES_MIX)
+
+
+def on_cpu(node: Node) -> bool:
+    """Does the kimi call ``node`` (bare or functionalized) run on CPU tensors?"""
+    for arg in node.all_input_nodes:
+        val = arg.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return val.device.type == "cpu"
+    return False
+
+
+def cpu_kimi_calls(graph: torch.fx.Graph) -> list[Node]:
+    """Every kimi op call of ``graph`` on CPU tensors (markers excepted), in graph order."""
+    return [n for n in graph.nodes
+            if kimi_op(n) not in (None, AUX_TAP) and on_cpu(n)]
