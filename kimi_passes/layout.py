@@ -4,7 +4,7 @@
 package (``package-dir``): a wheel puts them inside ``kimi_passes/``; an editable install
 maps them with an import finder of its own, which knows one checkout only and answers for
 any module it can find there. With checkout A installed editable, code run from checkout B
-(B's root first on ``sys.path``, as ``python -m`` and ``python -c`` put it) used to import
+(B's root first on ``sys.path``, as ``python -m`` and ``python -c`` put it) would import
 ``kimi_passes`` from B and ``kimi_passes.ops`` (or any module B lacks) from A, with no error.
 
 So, when ``kimi_passes`` is imported:

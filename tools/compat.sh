@@ -19,8 +19,9 @@ start=$(date +%s)
 if [[ $what == all || $what == setup ]]; then
     python3 -m venv .venv-compat
     .venv-compat/bin/pip install -q --no-compile -c tools/constraints-torch-2.11.txt -e '.[test]'
-    # Byte-compiled on every core (10 s): where PYTHONDONTWRITEBYTECODE is set (CI's machine
-    # sets it) each process of the job would compile torch's sources again (5 s to import).
+    # Byte-compiled on every core: where PYTHONDONTWRITEBYTECODE is set (CI's machine sets
+    # it) each process of the job would compile torch's sources again (docs/testing.md,
+    # "Bytecode", has the costs).
     # compileall exits 1 where a package ships a file for another Python; that file is
     # never imported, and what it printed goes nowhere.
     .venv-compat/bin/python -m compileall -q -j 0 "$(.venv-compat/bin/python -c \

@@ -8,8 +8,8 @@
 # config and compile path; the CUTLASS DSL that torch's Inductor imports, on a process's
 # first compile, where vLLM's dependencies are installed) with bytecode writing on: where
 # PYTHONDONTWRITEBYTECODE is set (CI's machine sets it) no process would write it, and each
-# would compile those sources again (about 2.4 s for vLLM's, 1.6 s for the DSL's).
-# Byte-compiling all 22,000 modules it installs took 32 s on 2 cores; this, 5 s.
+# would compile those sources again. Importing that path once costs a fraction of
+# byte-compiling all 22,000 modules the install brings (the costs: docs/testing.md, "Bytecode").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)

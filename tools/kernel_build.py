@@ -14,11 +14,11 @@ one variant per non-empty set of gradients (``bwd:dprefix+dblocks+dw`` ... ``bwd
 so are the decode path's three launches (``ops/triton_decode.py``: ``dec-stats:*``,
 ``dec-mix:*``, ``dec-norm:out``).
 
-Run (the whole matrix, 1224 builds, 996 distinct, 151 s on 2 idle cores with triton 3.8.0;
-``--ci`` is the subset that tests/test_kernel_build.py builds: every forward variant at
-H = 7168 and 8192, elsewhere two of the forward's, and every backward variant and each decode
-launch's superset variant at every width; 612 builds, 444 of them distinct, 155 s of CPU with
-an empty Triton cache, triton 3.8.0):
+Run (the whole matrix, 1224 builds, 996 distinct; ``--ci`` is the subset that
+tests/test_kernel_build.py builds: every forward variant at H = 7168 and 8192, elsewhere two
+of the forward's, and every backward variant and each decode launch's superset variant at
+every width, 612 builds, 444 of them distinct; build times: BENCHMARKS.md, "Offline kernel
+build"):
 
     python tools/kernel_build.py [--ci] [--jobs 2] [--json out.json] [--target gfx942]
 

@@ -8,8 +8,9 @@ rounds, 1 thread by default) of:
 - ``op-torch``: the same registration, the torch path of ``ops/cpu.py`` (``cpu_native``
   off: the module flag is flipped around each call);
 - ``custom_op``: the torch path behind a ``torch.library.custom_op`` registration of the
-  same schema (how the ops were registered before: its autograd, version-bump and
-  aliasing-check layers), in the ``kimi_bench`` namespace;
+  same schema (``custom_op``'s autograd, version-bump and aliasing-check layers, which the
+  ``Library`` registration does without: docs/design.md section 9), in the ``kimi_bench``
+  namespace;
 - ``plain``: the statement a user writes in plain torch, eagerly, in the input dtype
   (``bench/op.py: plain_torch``; for ``attn_res_mix`` its pure-mixture part).
 

@@ -5,7 +5,7 @@ so every row is measured at T = 1, 8, 64, 256 and 1024. Per model and T, in one 
 compiled with ``fullgraph=True``: ``backend="inductor"`` (the baseline), ``kimi_backend``
 as shipped (``kimi``: the kimi ops lowered to generated code on CPU) and
 ``make_kimi_backend(lower_kimi_ops=False)`` (``kimi-ops``: every mixing site a kimi op
-call, what kimi_backend did before the lowering). Timed with ``CpuTimer``: interleaved
+call, as a graph that keeps the ops runs). Timed with ``CpuTimer``: interleaved
 rounds, 1 thread; a ratio is t(plain Inductor) / t(candidate) per round (> 1: the
 candidate is faster), reported as the median and the interquartile range over rounds.
 Outputs are checked against plain Inductor's first.

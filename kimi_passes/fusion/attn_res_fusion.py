@@ -1,51 +1,24 @@
 """AttnResFusionPass: AttnRes mixing written in plain torch becomes one kimi op.
 
-A model that states Block AttnRes in plain PyTorch (``torch.stack``/``torch.cat`` the
-sources, RMSNorm the keys, dot with a pseudo-query, softmax over depth, weighted sum
-of the raw sources) makes Inductor materialise the stacked copy of every source and
-run half a dozen kernels per mixing site. This post-grad pass finds those sites and
-replaces each with ``kimi.attn_res_mix`` (sources ``bank[:, :k]`` then a ``[T, H]``
-prefix) or ``kimi.attn_res_mix_list`` (any list of sources), which read each source in
-place. The aux-stream pass then finds ``attn_res_mix`` consumers of aux taps as usual.
+Invariant: after the pass, every recognised mixing site (sources stacked or concatenated,
+RMSNorm keys, a dot with one pseudo-query, softmax over the source axis, weighted sum of
+the raw sources) is one ``kimi.attn_res_mix`` or ``kimi.attn_res_mix_list`` call whose
+result is at least as accurate as the replaced nodes' (fp32 accumulation), in the replaced
+node's dtype; every other softmax is left as it was. The aux-stream pass then finds
+``attn_res_mix`` consumers of aux taps as usual. Rationale and costs: docs/design.md
+section 8.
 
-Where the parts live: this module holds the pass and the candidate search (steps 1-2
-below); ``evaluator`` (with ``state``, ``rules``, ``axes`` and ``values``) recognises a
-plain-torch mixture (step 3); ``sources`` splits the stacked root into its sources (step
-4); ``rewrite`` emits the kimi op; ``grad_anchor`` keeps inputs' gradients in training.
+Before and after, for a site over ``bank[:, :k]`` and a prefix::
 
-Why a hand-written evaluator and not Inductor's pattern matcher
-(``register_replacement`` / ``PatternMatcherPass``): a replacement pattern is one traced
-graph, matched by op structure only. ``gen_pattern`` makes every int and float argument,
-and every list of them, a wildcard (view sizes, reduction and softmax dims, permute
-orders, eps, a 1/H literal), while a traced ``cat`` keeps the fixed-length list of
-sources it was traced with. So each spelling of a site needs its own traced pattern, and
-what makes it an AttnRes mixture would still be checked in an ``extra_check`` per
-pattern: the reductions run over the hidden axis and the softmax over the source axis,
-the views and permutes carry those axes through, the sum of squares is the mean, the
-weighted sum reads the exact sources the keys came from. The spellings multiply: the
-fuzz's generator (tests/fusion_programs.py) alone draws 5 gathers (stack or cat on two
-layouts, a bank slice and a prefix) x 4 norms x 3 weight placements x 5 query dots x 4
-softmaxes x 2 temperatures x 3 key casts x 2 probability dtypes x 4 weighted sums, about
-6 x 10^4 combinations per source count, before the spellings it does not draw (``mv`` in
-training graphs, ``sum * (1/H)``, a cast of the output). Lowering folds many of them
-into one post-grad graph (stack and cat, einsum and matmul), but by a rough count
-thousands of patterns remain, times each source count, times the training (joint)
-graphs. Tracing one AttnRes site costs about 70 ms with ``fwd_only`` and 280 ms with
-``joint_fwd_bwd`` (measured on the CPU dev box): a thousand patterns is over a minute at
-first compile, unless they are generated and checked in for each torch release the way
-Inductor ships its 30 SDPA spellings (x training/inference x fp32/half) pre-serialized
-in ``torch/_inductor/fx_passes/serialized_patterns``; and no pattern says "any number of
-sources" or "the source axis anywhere". The hand-written evaluator costs one walk per
-softmax and candidate root over the nodes between the stacked sources and the weighted
-sum (the whole pass takes about 26 ms on the tiny K3 graph: 620 nodes, 9 sites), covers
-any source count and axis layout with one set of rules, and says why a softmax was not
-fused. Its price: about 1,700 lines in ``kimi_passes/fusion`` to maintain (an op a new
-torch release decomposes differently must be taught to ``rules.HANDLERS``), and
-soundness that is ours to show, hence the random-program fuzz against plain Inductor,
-near misses included (tests/fusion_programs.py and
-tests/test_fusion_vs_inductor_fuzz.py, about 700 lines), on top of the goldens.
+    v = cat([bank[:, :k], prefix[:, None]], 1)         # [T, k+1, H]
+    r = rsqrt(mean(v * v, -1, keepdim) + eps)
+    logit = (v * r * norm_w) @ qk_w                      # or einsum / mul+sum / Linear(H, 1)
+    p = softmax(logit, 1)
+    out = sum(p[..., None] * v, 1)                       # or bmm / einsum
+  ->
+    out = kimi.attn_res_mix(prefix, bank, norm_w, qk_w, k, eps)
 
-How a site is recognised:
+Algorithm:
 
 1. Every softmax is a candidate: ``aten._softmax`` or its decomposition
    ``div(exp(sub(x, amax(x, d))), sum(exp(..), d))`` (the stabilising ``amax`` is optional).
@@ -53,50 +26,42 @@ How a site is recognised:
    combines it with another tensor (the weighted sum). That tensor is followed back
    through views and casts; each tensor on the way is a candidate *root* ``R``: the
    stacked sources.
-3. The nodes between ``R`` and the weighted sum are evaluated symbolically, in graph
-   order. Each axis of ``R`` gets a name (size-1 axes are dropped); views, permutes,
-   squeezes and casts move the names around, and every op must map one abstract value
-   to another: raw sources ``V``, ``V^2``, its mean over the hidden axis (the last axis
-   of ``R``), ``+ eps``, ``rsqrt``, products of these with weight vectors that vary only
-   along the hidden axis, the contraction over the hidden axis (mul+sum, ``bmm``,
-   ``mm``, ``addmm`` of ``Linear(H, 1)``), softmax over one named axis (the source axis
-   ``n``), and the product of the probabilities with the *exact* raw sources summed over
-   ``n``. Any other op, an axis mismatch, a second softmax, or a rounded copy of the
-   values in the weighted sum rejects the candidate, with the reason recorded.
-4. ``R`` is split into its sources along ``n``: the pieces of a ``cat`` (a
-   ``bank[:, a:b]`` slice counts as ``b - a`` sources), the inputs of a lowered
-   ``stack`` (``cat`` + ``view``), or ``R``'s own slices.
+3. ``evaluator`` (with ``state``, ``rules``, ``axes`` and ``values``) evaluates the nodes
+   between ``R`` and the weighted sum symbolically, in graph order. Each axis of ``R`` gets
+   a name (size-1 axes are dropped); views, permutes, squeezes and casts move the names,
+   and every op must map one abstract value to another: raw sources ``V``, ``V^2``, its
+   mean over the hidden axis (the last axis of ``R``), ``+ eps``, ``rsqrt``, products with
+   weight vectors that vary only along the hidden axis, the contraction over the hidden
+   axis (mul+sum, ``bmm``, ``mm``, ``addmm`` of ``Linear(H, 1)``), softmax over one named
+   axis (the source axis ``n``), and the product of the probabilities with the *exact* raw
+   sources summed over ``n``.
+4. ``sources`` splits ``R`` into its sources along ``n``: the pieces of a ``cat`` (a
+   ``bank[:, a:b]`` slice counts as ``b - a`` sources), the inputs of a lowered ``stack``
+   (``cat`` + ``view``), or ``R``'s own slices; ``rewrite`` emits the op, and
+   ``grad_anchor`` keeps the inputs' gradients in training graphs.
 
-Precision: the fused ops accumulate in fp32. Casts to a lower precision on the key,
-logit or probability path (e.g. bf16 keys, a bf16 softmax) are approximations the
-fused op does not repeat, so its result is at least as accurate; a cast on the path of
-the values that are summed is not accepted. Output dtype follows the replaced node.
+Emitted: ``attn_res_mix(prefix, bank, norm_weight, qk_weight, k, eps)`` when the sources
+are ``bank[:, :k]`` (``k`` may be 0) followed by one ``[T, H]`` prefix, every tensor and
+weight in one dtype, and the site's output dtype is the sources' (or every use casts back
+anyway, or an ``aux_tap`` reads the site); otherwise ``attn_res_mix_list(sources,
+norm_weight?, qk_weight, eps, out_dtype)``, which keeps a wider output dtype. RMSNorm
+without a weight passes a ones vector made in the graph. Weights are peeled through views
+and widening casts.
 
-Which op: ``attn_res_mix(prefix, bank, norm_weight, qk_weight, k, eps)`` when the
-sources are ``bank[:, :k]`` (``k`` may be 0: an empty view) followed by one ``[T, H]``
-prefix, every tensor and weight in one dtype. RMSNorm without a weight passes a ones
-vector made in the graph, so taps on such sites still find their consumer. The op
-returns the sources' dtype; a site that wants its mixture wider (bf16 sources mixed in
-fp32, as K3's ``attn_res_torch`` does before its fp32 output norm) gets it only if every
-use casts back anyway or an ``aux_tap`` reads that site (the aux-stream pass reads
-``attn_res_mix`` consumers; the output norm then sees the mixture rounded once to bf16).
-Otherwise ``attn_res_mix_list(sources, norm_weight?, qk_weight, eps, out_dtype)``, which
-keeps the wide dtype. Tensors outside the matched region (the weights) are peeled
-through views and widening casts.
+Refused (the candidate is left alone, with the reason recorded): any op the rules do not
+map, an axis mismatch, a second softmax, a cast on the path of the values that are summed
+(casts to a lower precision on the key, logit or probability path are accepted: the fused
+op does not repeat them), a number of sources that is not static, and a size equality the
+shape environment cannot prove. Sizes are ints or SymInts compared with
+``statically_known_true`` (``values.same_size``; no guard is installed): Inductor's
+``V.graph.sizevars`` does not exist yet when post-grad custom passes run, nor on the
+pre-autograd path. The one float tolerance is ``rules._is_mean``'s, for a model that writes
+1/H as a literal.
 
-Dynamic shapes: sizes are ints or SymInts (``meta["val"]`` shapes), multiplied as
-SymInts and compared with ``statically_known_true(a == b)`` (``values.same_size``): an
-equality the shape environment cannot prove is a mismatch, and no guard is installed.
-Inductor's passes use ``V.graph.sizevars``, which does not exist yet when post-grad
-custom passes run (before ``GraphLowering``), nor ever on the pre-autograd path. Sizes
-the rewrite needs are read off the sources with ``sym_size``. The number of sources must
-be static. The one float tolerance is ``rules._is_mean``'s, for a model that writes 1/H
-as a literal.
-
-``last_fused`` counts the sites fused by the last call (``last_sites`` describes them);
-an INFO line on logger ``kimi_passes`` says the same. With ``KIMI_PASSES_FUSION_DEBUG=1``
-(or ``TORCHINDUCTOR_PATTERN_MATCH_DEBUG`` set) each softmax that was not fused is logged
-at INFO with the check that failed (``last_misses``).
+``last_fused`` counts the sites fused by the last call (``last_sites`` describes them); an
+INFO line on logger ``kimi_passes`` says the same. With ``KIMI_PASSES_FUSION_DEBUG=1`` (or
+``TORCHINDUCTOR_PATTERN_MATCH_DEBUG`` set) each softmax that was not fused is logged at
+INFO with the check that failed (``last_misses``).
 """
 
 from __future__ import annotations
