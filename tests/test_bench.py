@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from kimi_passes import bench
@@ -39,6 +40,30 @@ def test_op_smoke(tmp_path):
         tol = 1e-5 if r["dtype"] == "float32" else 2e-2
         assert r["max_rel_err"]["op"] <= tol
     assert res["targets"] == []  # CPU op rows carry no target
+
+
+@pytest.mark.heavy
+def test_every_section_runs_at_a_tiny_size(tmp_path):
+    """``bench --only op,tap,pass,compile``: each section runs and reports, with no error
+    (what ``bench --quick`` runs, and the compile section it leaves out)."""
+    out = tmp_path / "bench.json"
+    rc = bench.main(["--quick", "--only", "op,tap,pass,compile", "--T", "1", "--H", "64",
+                     "--blocks", "2", "--dtypes", "float32", "--variants", "read",
+                     "--no-compiled", "--no-peers", "--rounds", "2", "--block-ms", "1",
+                     "--threads", "1", "--tap-layers", "2", "--tap-hidden", "64",
+                     "--tap-T", "8", "--pass-layers", "2", "--layers", "1", "2", "--no-plot",
+                     "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert rc == 0 and "errors" not in res, res.get("errors")
+    assert res["sections"] == ["op", "tap", "pass", "compile"]
+    tap = res["tap"]
+    assert tap["tap_max_rel_err_vs_ground_truth"]["attn_res"] < 1e-5
+    assert tap["tap_max_rel_err_vs_ground_truth"]["vllm_style"] < 1e-5
+    alone = res["pass"]["standalone"]
+    assert alone["taps"] == 2 and alone["nodes"] > 0 and alone["time_s"]["n"] > 0
+    points = res["compile"]["points"]
+    assert [p["num_layers"] for p in points] == [1, 2]
+    assert all(p["pass_calls"] > 0 and p["total_s"] > 0 for p in points)
 
 
 def test_op_bytes_counts_each_stream_once():

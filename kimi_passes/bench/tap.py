@@ -26,8 +26,9 @@ def _heads(H: int) -> int:
 
 
 def eagle3_ids(L: int) -> tuple[int, ...]:
-    """vLLM's default EAGLE3 aux layers (2, L//2, L-3), as capture ids."""
-    return tuple(sorted({2, L // 2, L - 3}))
+    """vLLM's default EAGLE3 aux layers (2, L//2, L-3), as capture ids in [0, L] (a model
+    shallower than 5 layers has its ids clamped there)."""
+    return tuple(sorted({min(max(k, 0), L) for k in (2, L // 2, L - 3)}))
 
 
 def bench_tap(cfg, log) -> dict:
