@@ -360,3 +360,21 @@ def test_the_entry_points_name_live_objects():
     assert backend.load() is kimi_passes.backend.kimi_backend
     (script,) = [e for e in eps.select(group="console_scripts") if e.name == "kimi-passes"]
     assert script.load() is kimi_passes.__main__.main
+
+
+# --------------------------------------------------------------------------- the options
+
+
+def test_the_readme_options_table_is_the_records():
+    """Each option is documented once, on ``KimiPassConfig``; the README's table is that
+    documentation as generated, between its markers."""
+    from kimi_passes.config import OPTIONS, KimiPassConfig
+
+    text = (ROOT / "README.md").read_text()
+    start = text.index("<!-- options:")
+    body = text[text.index("\n", start) + 1:text.index("<!-- /options -->")].strip()
+    assert body == KimiPassConfig.options_table(), (
+        "README's options table differs from KimiPassConfig.options_table(): paste the "
+        "generated one")
+    rows = [line.split("|")[1].strip().strip("`") for line in body.splitlines()[2:]]
+    assert tuple(rows) == OPTIONS
