@@ -59,8 +59,8 @@ def _define(fn, mutates_args=()):
 _AFTER_AD_INPLACE = torch._C._after_ADInplaceOrView_keyset
 _BELOW_AD_INPLACE = torch._C._AutoDispatchBelowADInplaceOrView
 #: A dispatch key set (``raw_repr()``) -> whether CPU is the first key below autograd: a
-#: function of the key set alone, so cached (0.2 us a lookup against 0.8 us for the two
-#: key-set calls); a process meets a handful of key sets.
+#: function of the key set alone, so cached (a dict lookup costs less than the two key-set
+#: calls); a process meets a handful of key sets.
 _CPU_NEXT: dict[int, bool] = {}
 
 
@@ -69,9 +69,9 @@ def below_autograd(op, keyset, args):
     below it. Where the next one is the CPU kernel (the keys between, ADInplaceOrView,
     fall through or were handled by the caller), call that Python function directly:
     through ``op.redispatch`` the dispatcher would unbox the arguments and box them into
-    Python again (3.5 us a call on an empty six-argument op; the C kernel takes 8 us at
-    T=8, H=512). Any other key next (Python for fake tensors and dispatch modes,
-    Functionalize, Meta, CUDA) goes through the dispatcher as before."""
+    Python again, a cost of the order of the C kernel's own at decode sizes (docs/design.md
+    section 9). Any other key next (Python for fake tensors and dispatch modes,
+    Functionalize, Meta, CUDA) goes through the dispatcher (``op.redispatch``)."""
     raw = keyset.raw_repr()
     cpu_next = _CPU_NEXT.get(raw)
     if cpu_next is None:

@@ -251,9 +251,9 @@ CHUNKED_KERNEL = jit(_mix_bwd_chunked_kernel)
 
 # Warps of the row kernel by BLOCK_H, chosen on the offline build (tools/kernel_build.py,
 # every gradient set, dtype and target): the row kernel keeps g, w and the dw accumulator
-# live next to a source row, more than the forward, and at the forward's 16 elements a thread
-# ptxas spilled at 2048 and 4096. 8 elements a thread up to 2048; 4 at 4096 (16 warps spilled
-# 16 B with triton 3.9's ptxas, 32 do not); 16 at 8192 (32 warps would cap a thread at 64
+# live next to a source row, more than the forward, and the forward's 16 elements a thread
+# spill at 2048 and 4096. 8 elements a thread up to 2048; 4 at 4096 (16 warps spill 16 B
+# with triton 3.9's ptxas, 32 do not); 16 at 8192 (32 warps would cap a thread at 64
 # registers and spill; 16 warps leave 128).
 _WARPS = {4096: 32, 8192: 16}
 
@@ -265,7 +265,7 @@ def _num_warps(block_h: int) -> int:
 # Widest BLOCK_H the row kernel holds in registers without spilling, by the offline build:
 # as the forward, 8192 for 16-byte-aligned rows (vector loads) and 4096 for others (an
 # address and a predicate per element). Wider rows run the chunked kernel, 8 elements per
-# thread (CHUNK = 2048 spilled at H = 8190 with unaligned loads).
+# thread (CHUNK = 2048 spills at H = 8190 with unaligned loads).
 MAX_ROW_ALIGNED = 8192
 MAX_ROW_UNALIGNED = 4096
 CHUNK = 1024

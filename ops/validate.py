@@ -36,8 +36,8 @@ def validate_sources(a: AttnResArgs) -> None:
 
 
 def _well_formed(a: AttnResArgs) -> bool:
-    """Every check of ``_diagnose`` at once, with fewer tensor attribute reads (each costs
-    0.1-0.4 us, and every eager call validates; docs/design.md section 9). True only where
+    """Every check of ``_diagnose`` at once, with fewer tensor attribute reads (each is a
+    call into C, and every eager call validates; docs/design.md section 9). True only where
     ``_diagnose`` would pass; False sends the call to ``_diagnose``, which names the culprit
     (or passes, where only this shortcut declined: a tensor off the CPU, say)."""
     prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight = a[:6]
