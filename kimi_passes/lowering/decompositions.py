@@ -7,11 +7,11 @@ logits as reductions over H, a softmax over the few per-row logits, fp32 accumul
 one rounding to the output dtype. Inductor fuses them with the neighbouring ops (the
 prefix add, the block write, the output norm, the next sublayer).
 
-The pure ops' statements take the op's argument record (``ops/attn_res_args.py``), whose
-tensors are the traced values. The mutating ops are given in functional form (what
-``auto_functionalized`` returns: the op's outputs, then the new prefix and bank); the block
-write is a ``select_scatter`` whose input bank is dead after it, so Inductor's reinplacing
-turns it back into a slot write.
+The pure ops' statements take the op's arguments as the op does (positional or by name)
+and build its record (``ops/attn_res_args.py``); its tensors are the traced values. The
+mutating ops are given in functional form (what ``auto_functionalized`` returns: the op's
+outputs, then the new prefix and bank); the block write is a ``select_scatter`` whose
+input bank is dead after it, so Inductor's reinplacing turns it back into a slot write.
 """
 
 from __future__ import annotations
@@ -72,15 +72,17 @@ def _realized(x: torch.Tensor) -> torch.Tensor:
     return torch.as_strided(x, x.shape, x.stride())
 
 
-def attn_res_mix(a: MixArgs):
+def attn_res_mix(*args, **kwargs):
     """``kimi.attn_res_mix``: the mixture of ``blocks[:, :num_blocks]`` then ``prefix``."""
+    a = MixArgs(*args, **kwargs)
     bank = a.blocks[:, :a.num_blocks] if a.num_blocks else None
     w = folded_query(a.norm_weight, a.qk_weight)
     return mixture(bank, [a.prefix], w, a.eps).to(a.prefix.dtype)
 
 
-def attn_res_mix_list(a: MixListArgs):
+def attn_res_mix_list(*args, **kwargs):
     """``kimi.attn_res_mix_list``: the mixture of a list of sources."""
+    a = MixListArgs(*args, **kwargs)
     mixed = mixture(None, list(a.sources), folded_query(a.norm_weight, a.qk_weight), a.eps)
     return mixed.to(a.out_dtype or a.sources[0].dtype)
 
@@ -108,7 +110,7 @@ def attn_res(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight, 
     return out.to(dtype), x, new_blocks
 
 
-def attn_res_mix_backward(b: MixBackwardArgs):
+def attn_res_mix_backward(*args, **kwargs):
     """``kimi.attn_res_mix_backward``: ``(dprefix, dblocks, dw)`` (``ops/backward.py``).
 
     Per row, sources ``v_j``, ``r_j = rsqrt(mean(v_j^2) + eps)``, ``logit_j = <v_j, w> r_j``,
@@ -116,6 +118,7 @@ def attn_res_mix_backward(b: MixBackwardArgs):
     ``dv_j = p_j g + a_j w - (a_j logit_j r_j / H) v_j``; ``dw = sum a_j v_j``. An output
     not asked for is an empty ``[0]`` tensor; ``dblocks`` has zeros past ``num_blocks``.
     """
+    b = MixBackwardArgs(*args, **kwargs)
     prefix, blocks, num_blocks, eps = b.prefix, b.blocks, b.num_blocks, b.eps
     dtype, H = prefix.dtype, prefix.shape[-1]
     w = folded_query(b.norm_weight, b.qk_weight)
@@ -156,12 +159,13 @@ def attn_res_mix_backward(b: MixBackwardArgs):
     return dprefix, dblocks, dw
 
 
-def attn_res_mix_list_backward(b: MixListBackwardArgs):
+def attn_res_mix_list_backward(*args, **kwargs):
     """``kimi.attn_res_mix_list_backward``: ``(dsources, dw)`` (``ops/backward.py``).
 
     ``attn_res_mix_backward``'s formulas, one term per source (each read where it lies);
     ``dsources`` is ``[]`` when not asked for, ``dw`` an empty ``[0]`` tensor.
     """
+    b = MixListBackwardArgs(*args, **kwargs)
     sources, eps = b.sources, b.eps
     H = b.grad.shape[-1]
     w = folded_query(b.norm_weight, b.qk_weight)

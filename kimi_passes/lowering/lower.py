@@ -35,12 +35,6 @@ import torch.utils._pytree as pytree
 from torch.fx import Graph, Node
 
 from kimi_passes.lowering import decompositions as dec
-from kimi_passes.ops.attn_res_args import (
-    MixArgs,
-    MixBackwardArgs,
-    MixListArgs,
-    MixListBackwardArgs,
-)
 from kimi_passes.ops.conventions import MUTATED_ARGS as MUTATED
 from kimi_passes.passes.base import KimiGraphPass
 from kimi_passes.passes.fx_toolkit import call_function
@@ -50,14 +44,13 @@ kimi = torch.ops.kimi
 #: The dtypes the statements are written for (fp32 accumulation); fp64 (the tests'
 #: gradcheck) stays the op.
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-#: Pure ops, lowered by ``_lower_pure``: op -> (its argument record, its statement, which
-#: takes the record).
+#: Pure ops, lowered by ``_lower_pure``: op -> its statement, which takes the op's
+#: arguments as the op does (and builds the op's record from them).
 PURE = {
-    kimi.attn_res_mix.default: (MixArgs, dec.attn_res_mix),
-    kimi.attn_res_mix_list.default: (MixListArgs, dec.attn_res_mix_list),
-    kimi.attn_res_mix_backward.default: (MixBackwardArgs, dec.attn_res_mix_backward),
-    kimi.attn_res_mix_list_backward.default: (MixListBackwardArgs,
-                                              dec.attn_res_mix_list_backward),
+    kimi.attn_res_mix.default: dec.attn_res_mix,
+    kimi.attn_res_mix_list.default: dec.attn_res_mix_list,
+    kimi.attn_res_mix_backward.default: dec.attn_res_mix_backward,
+    kimi.attn_res_mix_list_backward.default: dec.attn_res_mix_list_backward,
 }
 #: Pure ops with several outputs (read through ``getitem``).
 MULTI_OUTPUT = (kimi.attn_res_mix_backward.default, kimi.attn_res_mix_list_backward.default)
@@ -198,9 +191,10 @@ def _lower_attn_res(graph: Graph, call: AttnResCall) -> None:
 
 
 def _lower_pure(graph: Graph, node: Node) -> None:
-    record, fn = PURE[node.target]
-    # The record's nodes (a list of sources included) are the statement's traced inputs.
-    outs = _inline(graph, node, fn, (record(*node.args, **node.kwargs),), {})
+    fn = PURE[node.target]
+    # The arguments' nodes (a list of sources included) are the statement's traced inputs.
+    outs = _inline(graph, node, lambda args, kwargs: fn(*args, **kwargs),
+                   (node.args, node.kwargs), {})
     if node.target in MULTI_OUTPUT:
         _replace(graph, node, dict(enumerate(outs)))
     else:
