@@ -3,6 +3,9 @@
     attn_res_mix_list(Tensor[] sources, Tensor? norm_weight, Tensor qk_weight, float eps,
                       ScalarType? out_dtype=None) -> Tensor
 
+(inferred from the record ``MixListArgs``, ``ops/attn_res_args.py``, which the kernels, the
+checks and ``mix_list_torch`` take).
+
 ``sources`` are ``N >= 1`` tensors of one shape ``[*, H]`` (one dtype, one device), in
 mixing order. Per row ``r`` (every index but the last), accumulating in fp32:
 
