@@ -34,8 +34,15 @@ from __future__ import annotations
 import torch
 
 from . import library as _library  # noqa: F401  (kimi::attn_res_mix, before its autograd)
-from .mix_list import validate_mix_list
-from .validate import check_grad, validate_mix
+from .attn_res_args import (
+    MixArgs,
+    MixBackwardArgs,
+    MixListArgs,
+    MixListBackwardArgs,
+    record_signature,
+)
+from .mix_list import validate_mix_list_backward
+from .validate import validate_mix_backward
 
 # Rows per chunk: the chunk's staged sources plus their gradients are about this many bytes.
 _CHUNK_BYTES = 8 << 20
@@ -100,41 +107,41 @@ def mix_backward_rows(grad, sources, q, eps, dsources, dw) -> None:
             dw.add_(torch.mv(v.view(C * n, H).t(), a.reshape(C * n)))
 
 
-def attn_res_mix_backward_cpu(grad, prefix, blocks, norm_weight, qk_weight, num_blocks, eps,
-                              need_prefix, need_blocks, need_weights):
+def attn_res_mix_backward_cpu(b: MixBackwardArgs):
     """``(dprefix, dblocks, dw)``; each an empty ``[0]`` tensor when not asked for.
 
     ``dblocks`` is ``[T, NB, H]`` with zeros in the slots ``>= num_blocks``; ``dw`` is
     dL/d(norm_weight * qk_weight) in the compute dtype (fp32 for the op's dtypes).
     """
+    prefix, blocks, num_blocks = b.prefix, b.blocks, b.num_blocks
     cdt = _compute_dtype(prefix.dtype)
-    q = norm_weight.to(cdt) * qk_weight.to(cdt)
-    dprefix = torch.empty_like(prefix) if need_prefix else None
+    q = b.norm_weight.to(cdt) * b.qk_weight.to(cdt)
+    dprefix = torch.empty_like(prefix) if b.need_prefix else None
     dblocks = None
-    if need_blocks:
+    if b.need_blocks:
         dblocks = torch.empty_like(blocks, memory_format=torch.contiguous_format)
         dblocks[:, num_blocks:].zero_()
-    dw = torch.zeros(q.shape, dtype=cdt, device=q.device) if need_weights else None
+    dw = torch.zeros(q.shape, dtype=cdt, device=q.device) if b.need_weights else None
     sources = [blocks[:, j] for j in range(num_blocks)] + [prefix]
     dsources = [None if dblocks is None else dblocks[:, j] for j in range(num_blocks)]
-    mix_backward_rows(grad, sources, q, eps, dsources + [dprefix], dw)
+    mix_backward_rows(b.grad, sources, q, b.eps, dsources + [dprefix], dw)
     return tuple(_or_empty(t, prefix) for t in (dprefix, dblocks, dw))
 
 
-def attn_res_mix_list_backward_torch(grad, sources, norm_weight, qk_weight, eps,
-                                     need_sources, need_weights):
+def attn_res_mix_list_backward_torch(b: MixListBackwardArgs):
     """``(dsources, dw)``: a list (empty when not asked for) and ``[H]`` (or ``[0]``)."""
+    sources = b.sources
     H = sources[0].shape[-1]
     cdt = _compute_dtype(sources[0].dtype)
-    q = qk_weight.to(cdt)
-    if norm_weight is not None:
-        q = norm_weight.to(cdt) * q
+    q = b.qk_weight.to(cdt)
+    if b.norm_weight is not None:
+        q = b.norm_weight.to(cdt) * q
     flat = [s.reshape(-1, H) for s in sources]
     dsources = [torch.empty_like(s, memory_format=torch.contiguous_format)
-                for s in sources] if need_sources else []
+                for s in sources] if b.need_sources else []
     dflat = [d.view(-1, H) for d in dsources] or [None] * len(sources)
-    dw = torch.zeros(q.shape, dtype=cdt, device=q.device) if need_weights else None
-    mix_backward_rows(grad.reshape(-1, H), flat, q, eps, dflat, dw)
+    dw = torch.zeros(q.shape, dtype=cdt, device=q.device) if b.need_weights else None
+    mix_backward_rows(b.grad.reshape(-1, H), flat, q, b.eps, dflat, dw)
     return dsources, _or_empty(dw, sources[0])
 
 
@@ -143,39 +150,30 @@ def _or_empty(t, like):
 
 
 # --------------------------------------------------------------------------- the ops
+# Each op's schema is inferred from its record; the kernels take the schema's arguments
+# positionally and build the record.
 
 
 @torch.library.custom_op("kimi::attn_res_mix_backward", mutates_args=(), device_types="cpu")
-def attn_res_mix_backward(
-    grad: torch.Tensor,
-    prefix: torch.Tensor,
-    blocks: torch.Tensor,
-    norm_weight: torch.Tensor,
-    qk_weight: torch.Tensor,
-    num_blocks: int,
-    eps: float,
-    need_prefix: bool,
-    need_blocks: bool,
-    need_weights: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@record_signature(MixBackwardArgs, returns=tuple[torch.Tensor, torch.Tensor, torch.Tensor])
+def attn_res_mix_backward(*args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of ``kimi::attn_res_mix``: ``(dprefix, dblocks, d(norm_weight*qk_weight))``."""
-    validate_mix(prefix, blocks, norm_weight, qk_weight, num_blocks, eps)
-    check_grad("attn_res_mix_backward", grad, prefix)
-    return attn_res_mix_backward_cpu(grad, prefix, blocks, norm_weight, qk_weight, num_blocks,
-                                     eps, need_prefix, need_blocks, need_weights)
+    b = MixBackwardArgs(*args)
+    validate_mix_backward(b)
+    return attn_res_mix_backward_cpu(b)
 
 
 @attn_res_mix_backward.register_fake
-def _attn_res_mix_backward_fake(grad, prefix, blocks, norm_weight, qk_weight, num_blocks, eps,
-                                need_prefix, need_blocks, need_weights):
-    validate_mix(prefix, blocks, norm_weight, qk_weight, num_blocks, eps)
-    check_grad("attn_res_mix_backward", grad, prefix)
+def _attn_res_mix_backward_fake(*args):
+    b = MixBackwardArgs(*args)
+    validate_mix_backward(b)
+    prefix = b.prefix
     empty = prefix.new_empty((0,))
-    return (torch.empty_like(prefix) if need_prefix else empty,
-            torch.empty_like(blocks, memory_format=torch.contiguous_format)
-            if need_blocks else empty.clone(),
+    return (torch.empty_like(prefix) if b.need_prefix else empty,
+            torch.empty_like(b.blocks, memory_format=torch.contiguous_format)
+            if b.need_blocks else empty.clone(),
             prefix.new_empty(prefix.shape[-1:], dtype=torch.float32)
-            if need_weights else empty.clone())
+            if b.need_weights else empty.clone())
 
 
 @attn_res_mix_backward.register_kernel("cuda")
@@ -187,35 +185,26 @@ def _attn_res_mix_backward_cuda(*args):
 
 @torch.library.custom_op("kimi::attn_res_mix_list_backward", mutates_args=(),
                          device_types=("cpu", "cuda"))
-def attn_res_mix_list_backward(
-    grad: torch.Tensor,
-    sources: list[torch.Tensor],
-    norm_weight: torch.Tensor | None,
-    qk_weight: torch.Tensor,
-    eps: float,
-    need_sources: bool,
-    need_weights: bool,
-) -> tuple[list[torch.Tensor], torch.Tensor]:
+@record_signature(MixListBackwardArgs, returns=tuple[list[torch.Tensor], torch.Tensor])
+def attn_res_mix_list_backward(*args) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Backward of ``kimi::attn_res_mix_list``: ``(dsources, d(norm_weight*qk_weight))``.
 
     Per-source torch ops on any device (the forward is too); ``dsources`` is empty when
     ``need_sources`` is false, ``dw`` ``[0]`` when ``need_weights`` is false.
     """
-    validate_mix_list(sources, norm_weight, qk_weight, eps, grad.dtype)
-    check_grad("attn_res_mix_list_backward", grad, sources[0])
-    return attn_res_mix_list_backward_torch(grad, sources, norm_weight, qk_weight, eps,
-                                            need_sources, need_weights)
+    b = MixListBackwardArgs(*args)
+    validate_mix_list_backward(b)
+    return attn_res_mix_list_backward_torch(b)
 
 
 @attn_res_mix_list_backward.register_fake
-def _attn_res_mix_list_backward_fake(grad, sources, norm_weight, qk_weight, eps,
-                                     need_sources, need_weights):
-    validate_mix_list(sources, norm_weight, qk_weight, eps, grad.dtype)
-    check_grad("attn_res_mix_list_backward", grad, sources[0])
-    first = sources[0]
+def _attn_res_mix_list_backward_fake(*args):
+    b = MixListBackwardArgs(*args)
+    validate_mix_list_backward(b)
+    first = b.sources[0]
     dsources = [torch.empty_like(s, memory_format=torch.contiguous_format)
-                for s in sources] if need_sources else []
-    dw = first.new_empty(first.shape[-1:], dtype=torch.float32) if need_weights else (
+                for s in b.sources] if b.need_sources else []
+    dw = first.new_empty(first.shape[-1:], dtype=torch.float32) if b.need_weights else (
         first.new_empty((0,)))
     return dsources, dw
 
@@ -234,45 +223,53 @@ def split_weight_grad(dw, norm_weight, qk_weight, need_norm, need_qk):
     return dnw, dqk
 
 
+def _in_order(record, grads: dict, n: int | None = None) -> tuple:
+    """The gradients of the arguments of ``record``'s op (the first ``n``), from ``grads``
+    (by argument name; None for the others)."""
+    return tuple(grads.get(name) for name in record._fields[:n])
+
+
 def _mix_setup(ctx, inputs, output):
-    prefix, blocks, norm_weight, qk_weight, num_blocks, eps = inputs
-    ctx.num_blocks, ctx.eps = num_blocks, eps
-    ctx.save_for_backward(prefix, blocks, norm_weight, qk_weight)
+    a = MixArgs(*inputs)
+    ctx.save_for_backward(*a.tensors)
+    ctx.others = a[len(a.tensors):]  # the fields after the tensors
 
 
 def _mix_backward(ctx, grad):
-    prefix, blocks, norm_weight, qk_weight = ctx.saved_tensors
-    need_p, need_b, need_nw, need_qk = ctx.needs_input_grad[:4]
-    dprefix, dblocks, dw = torch.ops.kimi.attn_res_mix_backward(
-        grad, prefix, blocks, norm_weight, qk_weight, ctx.num_blocks, ctx.eps,
-        need_p, need_b, need_nw or need_qk)
-    dnw, dqk = split_weight_grad(dw, norm_weight, qk_weight, need_nw, need_qk)
-    return (dprefix if need_p else None, dblocks if need_b else None, dnw, dqk, None, None)
+    a = MixArgs(*ctx.saved_tensors, *ctx.others)
+    need = dict(zip(MixArgs._fields, ctx.needs_input_grad, strict=False))
+    need_nw, need_qk = need["norm_weight"], need["qk_weight"]
+    dprefix, dblocks, dw = torch.ops.kimi.attn_res_mix_backward(*MixBackwardArgs.of(
+        grad, a, need_prefix=need["prefix"], need_blocks=need["blocks"],
+        need_weights=need_nw or need_qk))
+    dnw, dqk = split_weight_grad(dw, a.norm_weight, a.qk_weight, need_nw, need_qk)
+    return _in_order(MixArgs, {"prefix": dprefix if need["prefix"] else None,
+                               "blocks": dblocks if need["blocks"] else None,
+                               "norm_weight": dnw, "qk_weight": dqk})
 
 
 def _mix_list_setup(ctx, inputs, output):
-    sources, norm_weight, qk_weight, eps, out_dtype = inputs
+    a = MixListArgs(*inputs)
     # The dispatcher drops a trailing argument equal to its default (out_dtype=None) from
     # what autograd sees, while setup_context gets it filled back: return that many grads.
-    ctx.eps, ctx.n_inputs = eps, 4 if out_dtype is None else 5
-    ctx.n = len(sources)
-    ctx.need_sources = any(s.requires_grad for s in sources)
-    ctx.need_nw = norm_weight is not None and norm_weight.requires_grad
-    ctx.need_qk = qk_weight.requires_grad
-    ctx.has_nw = norm_weight is not None
-    ctx.save_for_backward(*sources, *((norm_weight,) if ctx.has_nw else ()), qk_weight)
+    ctx.n_inputs = len(a) - (a.out_dtype is None)
+    ctx.n = len(a.sources)
+    ctx.need_sources = any(s.requires_grad for s in a.sources)
+    ctx.need_nw = a.norm_weight is not None and a.norm_weight.requires_grad
+    ctx.need_qk = a.qk_weight.requires_grad
+    # The sources one by one, then the other tensor fields (a None is saved as None).
+    ctx.save_for_backward(*a.sources, *a.tensors[1:])
+    ctx.others = a[len(a.tensors):]  # the fields after the tensors
 
 
 def _mix_list_backward(ctx, grad):
     saved = ctx.saved_tensors
-    sources, qk_weight = list(saved[:ctx.n]), saved[-1]
-    norm_weight = saved[ctx.n] if ctx.has_nw else None
-    dsources, dw = torch.ops.kimi.attn_res_mix_list_backward(
-        grad, sources, norm_weight, qk_weight, ctx.eps, ctx.need_sources,
-        ctx.need_nw or ctx.need_qk)
-    dnw, dqk = split_weight_grad(dw, norm_weight, qk_weight, ctx.need_nw, ctx.need_qk)
-    dsources = dsources if ctx.need_sources else [None] * ctx.n
-    return (dsources, dnw, dqk) + (None,) * (ctx.n_inputs - 3)
+    a = MixListArgs(list(saved[:ctx.n]), *saved[ctx.n:], *ctx.others)
+    dsources, dw = torch.ops.kimi.attn_res_mix_list_backward(*MixListBackwardArgs.of(
+        grad, a, need_sources=ctx.need_sources, need_weights=ctx.need_nw or ctx.need_qk))
+    dnw, dqk = split_weight_grad(dw, a.norm_weight, a.qk_weight, ctx.need_nw, ctx.need_qk)
+    return _in_order(MixListArgs, {"sources": dsources if ctx.need_sources else [None] * ctx.n,
+                                   "norm_weight": dnw, "qk_weight": dqk}, ctx.n_inputs)
 
 
 class _MixFunction(torch.autograd.Function):

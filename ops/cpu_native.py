@@ -4,11 +4,10 @@ called through ``ctypes``.
 At decode sizes the torch path of ``cpu.py`` is a dozen ATen calls whose dispatch costs
 more than the arithmetic; ``cpu_rows.c`` does the whole call in one C function (docs/design.md
 section 9 has the figures). It runs on one thread, so it serves a call when torch runs one
-thread (measured faster than the torch path at every size, 1.3-6.8x) or when the call's
-elements (sources plus outputs) times torch's thread count are at most ``PARALLEL_ELEMENTS``
-(2^20 elements at 2 threads, where it measured 1.1-5x faster; above some 10^7 elements the
-torch path's two threads win). The scaling by thread count is a model, not a measurement:
-with more threads the torch path wins earlier.
+thread (where it beats the torch path at every size) or when the call's elements (sources
+plus outputs) times torch's thread count are at most ``PARALLEL_ELEMENTS`` (2^20 elements
+at 2 threads, below the sizes where the torch path's threads win). The scaling by thread
+count is a model: the more threads, the smaller the calls the torch path wins.
 
 The build: ``$CC`` (default ``cc``, the compiler Inductor's CPU backend needs anyway) with
 ``-O3 -shared -fPIC``, no ``-march=native`` (a cache on a shared home directory may serve
@@ -139,7 +138,7 @@ def serves(a: AttnResArgs, outputs: int) -> bool:
 
 def _rows_contiguous(a: AttnResArgs) -> bool:
     # is_contiguous() reads a cached flag: the common case skips stride()'s tuple. A loop,
-    # not all() over a generator: 1 us less a call.
+    # not all() over a generator: no generator frame on every call.
     for t in a[:6]:
         if t is not None and not t.is_contiguous() and t.stride()[-1] != 1:
             return False
@@ -160,7 +159,7 @@ def attn_res_rows(a: AttnResArgs, out: torch.Tensor, mixed: torch.Tensor | None)
     T, H = prefix.shape
     blocks_rs, blocks_ss, _ = blocks.stride()
     # stride()[0], not stride(0): the tuple is built in C, the indexed form parses its
-    # argument in Python (0.3 us more each).
+    # argument in Python, which costs more.
     rc = lib.kimi_attn_res_rows_call(_CALL.pack(
         _DTYPE_CODE[prefix.dtype], T, H, a.num_blocks, a.block_write_idx,
         prefix.data_ptr(), prefix.stride()[0],

@@ -13,8 +13,8 @@
  *
  * Python calls the one exported function, kimi_attn_res_rows_call, with the arguments
  * packed into one struct (kimi_rows_call; ops/cpu_native.py packs it with struct.Struct):
- * ctypes converts each argument of a call separately, 21 of them cost ~3.8 us, one buffer
- * ~0.7 us.
+ * ctypes converts each argument of a call separately, so one buffer costs a fraction of
+ * what 21 arguments do (docs/design.md section 9).
  */
 #include <math.h>
 #include <stdint.h>
@@ -114,10 +114,11 @@ _Static_assert(sizeof(void *) == sizeof(int64_t), "addresses are packed as int64
 #define PTR(a) ((void *)(intptr_t)(a))
 
 /* On x86-64 with glibc, an AVX2 copy of the row loop beside the baseline one, picked at
- * load time (an ifunc): 1.3-1.5x faster on CI's machine (AMD EPYC) at H=512, T=8 and 64.
- * The same bits either way (tests/test_cpu_native.py): AVX2 alone brings no FMA (GCC
- * contracts a*b+c only for a target that has one), the reductions are written with v4, and
- * the loops GCC widens are elementwise. -DKIMI_ROWS_BASELINE builds the baseline alone. */
+ * load time (an ifunc) where the CPU has AVX2: the loops GCC widens take twice the lanes
+ * (docs/design.md section 9 has the figures). The same bits either way
+ * (tests/test_cpu_native.py): AVX2 alone brings no FMA (GCC contracts a*b+c only for a
+ * target that has one), the reductions are written with v4, and the loops GCC widens are
+ * elementwise. -DKIMI_ROWS_BASELINE builds the baseline alone. */
 #if defined(__x86_64__) && defined(__GLIBC__) && !defined(KIMI_ROWS_BASELINE) && \
     defined(__has_attribute)
 #if __has_attribute(target_clones) /* GCC 6+, clang 14+ */

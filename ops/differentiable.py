@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .attn_res_args import AttnResArgs
+from .attn_res_args import AttnResArgs, MixArgs
 from .validate import validate_sources
 
 
@@ -50,7 +50,7 @@ def _attn_res_parts(a: AttnResArgs):
     if a.block_write_idx >= 0:
         blocks[:, a.block_write_idx].copy_(x)
     bank = blocks[:, :num_blocks].clone()  # later bank writes must not reach the saved slots
-    mixed = torch.ops.kimi.attn_res_mix(x, bank, a.norm_weight, a.qk_weight, num_blocks, a.eps)
+    mixed = torch.ops.kimi.attn_res_mix(*MixArgs.part_of(a, prefix=x, blocks=bank))
     if a.output_norm_weight is None:
         return mixed, mixed
     out = F.rms_norm(mixed.float(), mixed.shape[-1:], a.output_norm_weight.float(),

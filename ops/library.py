@@ -21,16 +21,17 @@ fails at compile time.
 - ``attn_res_mix``: the pure pre-norm mixture, no mutation.
 - ``aux_tap``: the tap marker (a ``custom_op``); the aux-stream pass removes every one.
 
-The ten arguments of ``attn_res`` and ``attn_res_capture`` are one record,
-``AttnResArgs`` (``ops/attn_res_args.py``): their schemas are inferred from its fields and
-every kernel takes it.
+The arguments of ``attn_res`` and ``attn_res_capture`` are one record, ``AttnResArgs``;
+those of ``attn_res_mix`` another, ``MixArgs`` (``ops/attn_res_args.py``): the schemas are
+inferred from their fields, and every kernel takes the record (``attn_res_mix``'s in its
+``AttnResArgs`` form, ``AttnResArgs.mix``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .attn_res_args import AttnResArgs, record_signature
+from .attn_res_args import AttnResArgs, MixArgs, record_signature
 from .conventions import MUTATED_ARGS
 from .cpu import attn_res_cpu, mix_cpu
 from .validate import validate_sources, validate_tap
@@ -58,8 +59,8 @@ def _define(fn, mutates_args=()):
 _AFTER_AD_INPLACE = torch._C._after_ADInplaceOrView_keyset
 _BELOW_AD_INPLACE = torch._C._AutoDispatchBelowADInplaceOrView
 #: A dispatch key set (``raw_repr()``) -> whether CPU is the first key below autograd: a
-#: function of the key set alone, so cached (0.2 us a lookup against 0.8 us for the two
-#: key-set calls); a process meets a handful of key sets.
+#: function of the key set alone, so cached (a dict lookup costs less than the two key-set
+#: calls); a process meets a handful of key sets.
 _CPU_NEXT: dict[int, bool] = {}
 
 
@@ -68,9 +69,9 @@ def below_autograd(op, keyset, args):
     below it. Where the next one is the CPU kernel (the keys between, ADInplaceOrView,
     fall through or were handled by the caller), call that Python function directly:
     through ``op.redispatch`` the dispatcher would unbox the arguments and box them into
-    Python again (3.5 us a call on an empty six-argument op; the C kernel takes 8 us at
-    T=8, H=512). Any other key next (Python for fake tensors and dispatch modes,
-    Functionalize, Meta, CUDA) goes through the dispatcher as before."""
+    Python again, a cost of the order of the C kernel's own at decode sizes (docs/design.md
+    section 9). Any other key next (Python for fake tensors and dispatch modes,
+    Functionalize, Meta, CUDA) goes through the dispatcher (``op.redispatch``)."""
     raw = keyset.raw_repr()
     cpu_next = _CPU_NEXT.get(raw)
     if cpu_next is None:
@@ -95,14 +96,14 @@ def register_autograd_kernel(op, record, run=below_autograd):
     _LIB.impl(op._opname, kernel, "Autograd", with_keyset=True)
 
 
-@record_signature(returns=torch.Tensor)
+@record_signature(AttnResArgs, returns=torch.Tensor)
 def attn_res(*args) -> torch.Tensor:
     a = AttnResArgs(*args)
     validate_sources(a)
     return attn_res_cpu(a, capture=False)[0]
 
 
-@record_signature(returns=tuple[torch.Tensor, torch.Tensor])
+@record_signature(AttnResArgs, returns=tuple[torch.Tensor, torch.Tensor])
 def attn_res_capture(*args) -> tuple[torch.Tensor, torch.Tensor]:
     a = AttnResArgs(*args)
     validate_sources(a)
@@ -112,15 +113,9 @@ def attn_res_capture(*args) -> tuple[torch.Tensor, torch.Tensor]:
     return out, mixed
 
 
-def attn_res_mix(
-    prefix: torch.Tensor,
-    blocks: torch.Tensor,
-    norm_weight: torch.Tensor,
-    qk_weight: torch.Tensor,
-    num_blocks: int,
-    eps: float,
-) -> torch.Tensor:
-    a = AttnResArgs.mix(prefix, blocks, norm_weight, qk_weight, num_blocks, eps)
+@record_signature(MixArgs, returns=torch.Tensor)
+def attn_res_mix(*args) -> torch.Tensor:
+    a = AttnResArgs.mix(*args)
     validate_sources(a)
     return mix_cpu(a)
 

@@ -3,6 +3,9 @@
     attn_res_mix_list(Tensor[] sources, Tensor? norm_weight, Tensor qk_weight, float eps,
                       ScalarType? out_dtype=None) -> Tensor
 
+(inferred from the record ``MixListArgs``, ``ops/attn_res_args.py``, which the kernels, the
+checks and ``mix_list_torch`` take).
+
 ``sources`` are ``N >= 1`` tensors of one shape ``[*, H]`` (one dtype, one device), in
 mixing order. Per row ``r`` (every index but the last), accumulating in fp32:
 
@@ -26,7 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from .validate import SUPPORTED_DTYPES, AttnResArgumentError
+from .attn_res_args import MixListArgs, MixListBackwardArgs, record_signature
+from .validate import SUPPORTED_DTYPES, AttnResArgumentError, check_grad
 
 # Rows per chunk are sized so one chunk's fp32 upcast of all sources is about this many bytes.
 _CHUNK_BYTES = 4 << 20
@@ -36,8 +40,9 @@ def _fail(msg: str) -> None:
     raise AttnResArgumentError(f"kimi attn_res_mix_list: {msg}")
 
 
-def validate_mix_list(sources, norm_weight, qk_weight, eps, out_dtype) -> None:
+def validate_mix_list(a: MixListArgs) -> None:
     """Check the sources agree with each other and with the weights; raise naming the culprit."""
+    sources, eps, out_dtype = a.sources, a.eps, a.out_dtype
     if len(sources) == 0:
         _fail("sources is empty; pass at least one [*, H] tensor")
     first = sources[0]
@@ -57,7 +62,7 @@ def validate_mix_list(sources, norm_weight, qk_weight, eps, out_dtype) -> None:
         if s.device != first.device:
             _fail(f"sources[{j}] is on {s.device} but sources[0] is on {first.device}; "
                   "move every source to one device")
-    for name, w in (("norm_weight", norm_weight), ("qk_weight", qk_weight)):
+    for name, w in (("norm_weight", a.norm_weight), ("qk_weight", a.qk_weight)):
         if w is None:
             continue
         if w.dim() != 1 or w.shape[0] != H:
@@ -93,16 +98,24 @@ def _mix_rows(rows32: list[torch.Tensor], q: torch.Tensor, eps: float, out32: to
         out32.addcmul_(rows32[j], p[:, j:j + 1])
 
 
-def mix_list_torch(sources, norm_weight, qk_weight, eps, out_dtype, chunk_rows: bool = True):
+def validate_mix_list_backward(b: MixListBackwardArgs) -> None:
+    """``kimi::attn_res_mix_list_backward``'s checks: its forward's, and ``grad`` against
+    the forward's output."""
+    validate_mix_list(b.forward)
+    check_grad("attn_res_mix_list_backward", b.grad, b.sources[0])
+
+
+def mix_list_torch(a: MixListArgs, chunk_rows: bool = True):
     """Per-source torch implementation (any device): no stacked copy of the sources.
 
     fp32 sources are read in place; lower-precision ones are upcast a chunk of rows at a
     time (``chunk_rows``, meant for CPU caches) or all at once.
     """
+    sources = a.sources
     shape, H = sources[0].shape, sources[0].shape[-1]
     flat = [s.reshape(-1, H) for s in sources]  # views for contiguous rows
     R = flat[0].shape[0]
-    q = folded_query(norm_weight, qk_weight)
+    q = folded_query(a.norm_weight, a.qk_weight)
     out32 = torch.empty((R, H), dtype=torch.float32, device=sources[0].device)
     if sources[0].dtype == torch.float32 or not chunk_rows:
         step = max(R, 1)
@@ -110,31 +123,34 @@ def mix_list_torch(sources, norm_weight, qk_weight, eps, out_dtype, chunk_rows: 
         step = max(1, _CHUNK_BYTES // (len(sources) * H * 4))
     for r0 in range(0, R, step):
         r1 = min(R, r0 + step)
-        _mix_rows([x[r0:r1].float() for x in flat], q, eps, out32[r0:r1])
-    return out32.reshape(shape).to(out_dtype or sources[0].dtype)
+        _mix_rows([x[r0:r1].float() for x in flat], q, a.eps, out32[r0:r1])
+    return out32.reshape(shape).to(a.out_dtype or sources[0].dtype)
+
+
+# The kernels take the schema's arguments positionally; a trailing ``out_dtype=None`` may be
+# left off (the record's default fills it).
 
 
 @torch.library.custom_op("kimi::attn_res_mix_list", mutates_args=(), device_types="cpu")
-def attn_res_mix_list(
-    sources: list[torch.Tensor],
-    norm_weight: torch.Tensor | None,
-    qk_weight: torch.Tensor,
-    eps: float,
-    out_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    validate_mix_list(sources, norm_weight, qk_weight, eps, out_dtype)
-    return mix_list_torch(sources, norm_weight, qk_weight, eps, out_dtype)
+@record_signature(MixListArgs, returns=torch.Tensor)
+def attn_res_mix_list(*args) -> torch.Tensor:
+    a = MixListArgs(*args)
+    validate_mix_list(a)
+    return mix_list_torch(a)
 
 
 @attn_res_mix_list.register_fake
-def _attn_res_mix_list_fake(sources, norm_weight, qk_weight, eps, out_dtype=None):
-    validate_mix_list(sources, norm_weight, qk_weight, eps, out_dtype)
-    return sources[0].new_empty(sources[0].shape, dtype=out_dtype or sources[0].dtype)
+def _attn_res_mix_list_fake(*args):
+    a = MixListArgs(*args)
+    validate_mix_list(a)
+    first = a.sources[0]
+    return first.new_empty(first.shape, dtype=a.out_dtype or first.dtype)
 
 
 @attn_res_mix_list.register_kernel("cuda")
-def _attn_res_mix_list_cuda(sources, norm_weight, qk_weight, eps, out_dtype=None):
+def _attn_res_mix_list_cuda(*args):
     # Per-source torch ops on the GPU (the Triton kernel reads one bank, not a list):
     # each source is read where it lies, upcast whole; no stacked copy.
-    validate_mix_list(sources, norm_weight, qk_weight, eps, out_dtype)
-    return mix_list_torch(sources, norm_weight, qk_weight, eps, out_dtype, chunk_rows=False)
+    a = MixListArgs(*args)
+    validate_mix_list(a)
+    return mix_list_torch(a, chunk_rows=False)

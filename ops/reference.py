@@ -11,15 +11,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .attn_res_args import AttnResArgs
+from .attn_res_args import AttnResArgs, MixArgs
 
 
-def attn_res_mix_reference(prefix, blocks, norm_weight, qk_weight, num_blocks, eps):
-    """Pre-norm mixture of ``blocks[:, :num_blocks]`` and ``prefix``, in fp32."""
-    H = prefix.shape[-1]
-    values = torch.cat([blocks[:, :num_blocks], prefix[:, None]], dim=1).float()
-    keys = F.rms_norm(values, (H,), norm_weight.float(), eps)
-    p = (keys @ qk_weight.float()).softmax(-1)
+def attn_res_mix_reference(*args, **kwargs):
+    """Pre-norm mixture of ``blocks[:, :num_blocks]`` and ``prefix``, in fp32
+    (``kimi::attn_res_mix``'s arguments, positional or by name)."""
+    a = MixArgs(*args, **kwargs)
+    H = a.prefix.shape[-1]
+    values = torch.cat([a.blocks[:, :a.num_blocks], a.prefix[:, None]], dim=1).float()
+    keys = F.rms_norm(values, (H,), a.norm_weight.float(), a.eps)
+    p = (keys @ a.qk_weight.float()).softmax(-1)
     return (p[:, None] @ values)[:, 0]
 
 
@@ -32,8 +34,7 @@ def attn_res_reference(*args, return_mix: bool = False, **kwargs):
         prefix.copy_((prefix.float() + a.delta.float()).to(prefix.dtype))
     if a.block_write_idx >= 0:
         a.blocks[:, a.block_write_idx] = prefix
-    mixed = attn_res_mix_reference(prefix, a.blocks, a.norm_weight, a.qk_weight, a.num_blocks,
-                                   a.eps)
+    mixed = attn_res_mix_reference(*MixArgs.part_of(a))  # after the updates, in place
     out = mixed
     if a.output_norm_weight is not None:
         out = F.rms_norm(mixed, (mixed.shape[-1],), a.output_norm_weight.float(),

@@ -28,7 +28,7 @@ as in the row kernel, and only a chunk is live.
 
 Mode: like the forward kernel, the kernel is built in the mode ``triton.language`` was
 imported in (interpreter on CPU under ``TRITON_INTERPRET=1``, compiled on a GPU). Dtypes:
-the forward's (fp32, bf16, fp16; ``validate_mix`` refuses others); math is fp32.
+the forward's (fp32, bf16, fp16; ``validate_mix_backward`` refuses others); math is fp32.
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
+from .attn_res_args import MixBackwardArgs
 from .triton_chunked import jit
-from .validate import AttnResArgumentError, check_grad, validate_mix
+from .validate import AttnResArgumentError, validate_mix_backward
 
 INTERPRETED = not isinstance(tl.sum, JITFunction)
 
@@ -250,9 +251,9 @@ CHUNKED_KERNEL = jit(_mix_bwd_chunked_kernel)
 
 # Warps of the row kernel by BLOCK_H, chosen on the offline build (tools/kernel_build.py,
 # every gradient set, dtype and target): the row kernel keeps g, w and the dw accumulator
-# live next to a source row, more than the forward, and at the forward's 16 elements a thread
-# ptxas spilled at 2048 and 4096. 8 elements a thread up to 2048; 4 at 4096 (16 warps spilled
-# 16 B with triton 3.9's ptxas, 32 do not); 16 at 8192 (32 warps would cap a thread at 64
+# live next to a source row, more than the forward, and the forward's 16 elements a thread
+# spill at 2048 and 4096. 8 elements a thread up to 2048; 4 at 4096 (16 warps spill 16 B
+# with triton 3.9's ptxas, 32 do not); 16 at 8192 (32 warps would cap a thread at 64
 # registers and spill; 16 warps leave 128).
 _WARPS = {4096: 32, 8192: 16}
 
@@ -264,7 +265,7 @@ def _num_warps(block_h: int) -> int:
 # Widest BLOCK_H the row kernel holds in registers without spilling, by the offline build:
 # as the forward, 8192 for 16-byte-aligned rows (vector loads) and 4096 for others (an
 # address and a predicate per element). Wider rows run the chunked kernel, 8 elements per
-# thread (CHUNK = 2048 spilled at H = 8190 with unaligned loads).
+# thread (CHUNK = 2048 spills at H = 8190 with unaligned loads).
 MAX_ROW_ALIGNED = 8192
 MAX_ROW_UNALIGNED = 4096
 CHUNK = 1024
@@ -286,21 +287,22 @@ def launch_config(H: int, dtype: torch.dtype, aligned: bool = True, slots: int =
                          num_warps=min(_num_warps(block_h), MAX_THREADS // warp_size))
 
 
-def attn_res_mix_backward_triton(grad, prefix, blocks, norm_weight, qk_weight, num_blocks, eps,
-                                 need_prefix, need_blocks, need_weights):
-    """``kimi::attn_res_mix_backward`` on the tensors' device: ``(dprefix, dblocks, dw)``."""
-    validate_mix(prefix, blocks, norm_weight, qk_weight, num_blocks, eps)
-    check_grad("attn_res_mix_backward", grad, prefix)
-    for name, t in (("grad", grad), ("prefix", prefix), ("blocks", blocks),
-                    ("norm_weight", norm_weight), ("qk_weight", qk_weight)):
+def attn_res_mix_backward_triton(*args, **kwargs):
+    """``kimi::attn_res_mix_backward`` on the tensors' device (its arguments, positional or
+    by name): ``(dprefix, dblocks, dw)``."""
+    b = MixBackwardArgs(*args, **kwargs)
+    validate_mix_backward(b)
+    for name, t in zip(b._fields, b.tensors, strict=False):  # the tensors are the first fields
         if t.shape[-1] > 1 and t.stride(-1) != 1:
             raise AttnResArgumentError(
                 f"kimi attn_res_mix_backward (triton): {name} must have a unit-stride last "
                 f"dimension, got stride {tuple(t.stride())} for shape {tuple(t.shape)}")
+    grad, prefix, blocks, num_blocks = b.grad, b.prefix, b.blocks, b.num_blocks
     if prefix.device.type == "cpu" and not INTERPRETED:
         raise RuntimeError(
             "kimi attn_res_mix_backward (triton): CPU tensors need the Triton interpreter; "
             "set TRITON_INTERPRET=1 before triton is first imported")
+    need_prefix, need_blocks, need_weights = b.need_prefix, b.need_blocks, b.need_weights
     T, H = prefix.shape
     empty = prefix.new_empty((0,))
     dprefix = torch.empty_like(prefix) if need_prefix else None
@@ -314,7 +316,7 @@ def attn_res_mix_backward_triton(grad, prefix, blocks, norm_weight, qk_weight, n
     if T > 0 and H > 0 and (need_prefix or need_blocks or need_weights):
         n_prog = min(T, _DW_PROGRAMS) if need_weights else T
         args = (
-            grad, prefix, blocks, norm_weight, qk_weight,
+            grad, prefix, blocks, b.norm_weight, b.qk_weight,
             dprefix if dprefix is not None else prefix,
             dblocks if dblocks is not None else blocks,
             prefix,  # dw_ptr: the partial-sum buffer, below, when a weight gradient is asked for
@@ -323,7 +325,7 @@ def attn_res_mix_backward_triton(grad, prefix, blocks, norm_weight, qk_weight, n
             dprefix.stride(0) if dprefix is not None else 0,
             dblocks.stride(0) if dblocks is not None else 0,
             dblocks.stride(1) if dblocks is not None else 0,
-            float(eps),
+            float(b.eps),
         )
         # Triton specialises a pointer on 16-byte alignment and an int on divisibility by 16.
         aligned = all(t.data_ptr() % 16 == 0 for t in args[:7]) and all(

@@ -33,8 +33,8 @@ sm_100 at H = 2048, 4096, 7168, 8192, 8190 (no 16-byte specialisation) and 16384
 every dtype and flag set, as the op launches it. That check, not this docstring, is
 what backs the register figures; it fails on any stack or local memory (a spill).
 Its static estimate (resident programs x rows in flight x row bytes) is checked to be
-at least 32 KB of bf16 loads in flight per SM at H = 4096 and 7168 on sm_90 (the
-recorded run: 48 and 42 KB; BENCHMARKS.md has the table). Rows wider than
+at least 32 KB of bf16 loads in flight per SM at H = 4096 and 7168 on sm_90
+(BENCHMARKS.md has the figures). Rows wider than
 ``MAX_ROW_ALIGNED`` (16-byte-aligned rows) or ``MAX_ROW_UNALIGNED`` (others) spill in
 this kernel (the CI check builds both cases) and run the chunked one.
 
@@ -204,8 +204,8 @@ CHUNK = 2048
 def pdl_launch(device: torch.device) -> bool:
     """Programmatic dependent launch (PDL) for the forward kernels: opt-in with
     ``KIMI_PASSES_PDL=1``, on CUDA devices of compute capability 9.0 or newer (Hopper,
-    Blackwell), compiled kernels only. Off by default until a GPU run has timed it; HIP and
-    the interpreter never take it. The kernel waits (``griddepcontrol.wait``) before its
+    Blackwell), compiled kernels only. Off by default: its effect is not timed on a GPU; HIP
+    and the interpreter never take it. The kernel waits (``griddepcontrol.wait``) before its
     first load, so an early start cannot read what the previous kernel has not written."""
     if INTERPRETED or device.type != "cuda" or os.environ.get("KIMI_PASSES_PDL", "0") != "1":
         return False

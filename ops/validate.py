@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .attn_res_args import AttnResArgs
+from .attn_res_args import AttnResArgs, MixBackwardArgs
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -36,8 +36,8 @@ def validate_sources(a: AttnResArgs) -> None:
 
 
 def _well_formed(a: AttnResArgs) -> bool:
-    """Every check of ``_diagnose`` at once, with fewer tensor attribute reads (each costs
-    0.1-0.4 us, and every eager call validates; docs/design.md section 9). True only where
+    """Every check of ``_diagnose`` at once, with fewer tensor attribute reads (each is a
+    call into C, and every eager call validates; docs/design.md section 9). True only where
     ``_diagnose`` would pass; False sends the call to ``_diagnose``, which names the culprit
     (or passes, where only this shortcut declined: a tensor off the CPU, say)."""
     prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight = a[:6]
@@ -121,9 +121,11 @@ def _diagnose(a: AttnResArgs) -> None:
             _fail(f"kimi attn_res: {name}={value} must be a non-negative float")
 
 
-def validate_mix(*args) -> None:
-    """``validate_sources`` for ``kimi::attn_res_mix``'s six arguments."""
-    validate_sources(AttnResArgs.mix(*args))
+def validate_mix_backward(b: MixBackwardArgs) -> None:
+    """``kimi::attn_res_mix_backward``'s checks: its forward's (``validate_sources``), and
+    ``grad`` against the forward's output."""
+    validate_sources(AttnResArgs.mix(*b.forward))
+    check_grad("attn_res_mix_backward", b.grad, b.prefix)
 
 
 def validate_tap(x: torch.Tensor, capture_id: int) -> None:

@@ -586,3 +586,36 @@ def test_the_record_is_the_mutating_ops_argument_list():
 
     for op in (OPS.attn_res, OPS.attn_res_capture):
         assert [a.name for a in op.default._schema.arguments] == list(AttnResArgs._fields)
+
+
+def test_each_record_is_its_ops_argument_list():
+    """Every op of the family takes one record's fields, defaults included, and each
+    record's ``tensors`` are its tensor fields."""
+    import typing
+
+    from kimi_passes.ops import attn_res_args as records
+
+    by_op = {"attn_res": records.AttnResArgs, "attn_res_capture": records.AttnResArgs,
+             "attn_res_mix": records.MixArgs, "attn_res_mix_list": records.MixListArgs,
+             "attn_res_mix_backward": records.MixBackwardArgs,
+             "attn_res_mix_list_backward": records.MixListBackwardArgs}
+    for name, record in by_op.items():
+        arguments = getattr(OPS, name).default._schema.arguments
+        assert [a.name for a in arguments] == list(record._fields), name
+        assert {a.name: a.default_value for a in arguments if a.has_default_value()} == (
+            record._field_defaults), name
+        hints = typing.get_type_hints(record)
+        tensor_fields = [f for f in record._fields if "Tensor" in str(hints[f])]
+        n = len(tensor_fields)
+        assert record._fields[:n] == tuple(tensor_fields), name  # the tensors come first
+        assert len(record._make(range(len(record._fields))).tensors) == n, name
+
+
+def test_the_mix_record_is_attn_res_without_its_updates():
+    from kimi_passes.ops.attn_res_args import PURE_MIXTURE, AttnResArgs, MixArgs
+
+    mix = MixArgs(*range(len(MixArgs._fields)))
+    a = AttnResArgs.mix(*mix)
+    assert type(a) is AttnResArgs and AttnResArgs.mix(**mix._asdict()) == a
+    assert {f: getattr(a, f) for f in PURE_MIXTURE} == PURE_MIXTURE
+    assert MixArgs.part_of(a) == mix

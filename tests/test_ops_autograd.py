@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from kimi_passes.graphs.k3 import K3Config, K3Model
 from kimi_passes.ops import AttnResArgumentError, attn_res_reference, backward
 from kimi_passes.ops import triton_backward as tb
+from kimi_passes.ops.attn_res_args import MixBackwardArgs, MixListBackwardArgs
 from kimi_passes.ops.differentiable import (
     attn_res_capture_differentiable,
     attn_res_differentiable,
@@ -78,8 +79,8 @@ class _Mix64(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         prefix, blocks, nw, qk = ctx.saved_tensors
-        dp, db, dw = backward.attn_res_mix_backward_cpu(grad, prefix, blocks, nw, qk, ctx.nb,
-                                                        ctx.eps, True, True, True)
+        dp, db, dw = backward.attn_res_mix_backward_cpu(MixBackwardArgs(
+            grad, prefix, blocks, nw, qk, ctx.nb, ctx.eps, True, True, True))
         dnw, dqk = backward.split_weight_grad(dw, nw, qk, True, True)
         return dp, db, dnw, dqk, None, None
 
@@ -93,7 +94,8 @@ class _MixList64(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         nw, qk, *sources = ctx.saved_tensors
-        ds, dw = backward.attn_res_mix_list_backward_torch(grad, sources, nw, qk, EPS, True, True)
+        ds, dw = backward.attn_res_mix_list_backward_torch(MixListBackwardArgs(
+            grad, sources, nw, qk, EPS, True, True))
         dnw, dqk = backward.split_weight_grad(dw, nw, qk, nw is not None, True)
         return (dnw, dqk, *ds)
 

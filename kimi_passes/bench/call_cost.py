@@ -31,13 +31,13 @@ import kimi_passes  # noqa: F401  (registers torch.ops.kimi.*)
 from kimi_passes.bench.harness import CpuTimer, ratio_summary, summary
 from kimi_passes.bench.op import make_op_args, plain_torch
 from kimi_passes.ops import cpu_native
-from kimi_passes.ops.attn_res_args import AttnResArgs, record_signature
+from kimi_passes.ops.attn_res_args import AttnResArgs, MixArgs, record_signature
 from kimi_passes.ops.conventions import MUTATED_ARGS
 from kimi_passes.ops.cpu import torch_rows
 
 
 @torch.library.custom_op("kimi_bench::attn_res", mutates_args=MUTATED_ARGS)
-@record_signature(returns=torch.Tensor)
+@record_signature(AttnResArgs, returns=torch.Tensor)
 def _custom_op_attn_res(*args) -> torch.Tensor:
     a = AttnResArgs(*args)
     out = torch.empty_like(a.prefix)
@@ -46,10 +46,11 @@ def _custom_op_attn_res(*args) -> torch.Tensor:
 
 
 @torch.library.custom_op("kimi_bench::attn_res_mix", mutates_args=())
-def _custom_op_mix(prefix: torch.Tensor, blocks: torch.Tensor, norm_weight: torch.Tensor,
-                   qk_weight: torch.Tensor, num_blocks: int, eps: float) -> torch.Tensor:
-    out = torch.empty_like(prefix)
-    torch_rows(AttnResArgs.mix(prefix, blocks, norm_weight, qk_weight, num_blocks, eps), out, None)
+@record_signature(MixArgs, returns=torch.Tensor)
+def _custom_op_mix(*args) -> torch.Tensor:
+    a = AttnResArgs.mix(*args)
+    out = torch.empty_like(a.prefix)
+    torch_rows(a, out, None)
     return out
 
 
@@ -67,12 +68,12 @@ def _torch_path(fn):
 def candidates(op: str, args: list) -> dict:
     """name -> zero-argument call, for ``op`` in {"attn_res_mix", "attn_res"}."""
     if op == "attn_res_mix":
-        prefix, blocks, nw, qk, nb, eps = args[0], args[2], args[3], args[4], args[6], args[8]
-        mix = (prefix, blocks, nw, qk, nb, eps)
+        mix = MixArgs.part_of(AttnResArgs(*args))
+        pure = AttnResArgs.mix(*mix)  # the plain statement's arguments
         fns = {"op": torch.ops.kimi.attn_res_mix, "custom_op": torch.ops.kimi_bench.attn_res_mix}
         return {**{k: (lambda f=f: f(*mix)) for k, f in fns.items()},
                 "op-torch": lambda: _torch_path(torch.ops.kimi.attn_res_mix)(*mix),
-                "plain": lambda: plain_torch(prefix, None, blocks, nw, qk, None, nb, -1, eps, 0.0)}
+                "plain": lambda: plain_torch(*pure)}
     fns = {"op": torch.ops.kimi.attn_res, "custom_op": torch.ops.kimi_bench.attn_res}
     # The op adds delta into prefix in place every call; a tiny delta keeps values bounded.
     return {**{k: (lambda f=f: f(*args)) for k, f in fns.items()},

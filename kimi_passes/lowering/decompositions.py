@@ -7,8 +7,10 @@ logits as reductions over H, a softmax over the few per-row logits, fp32 accumul
 one rounding to the output dtype. Inductor fuses them with the neighbouring ops (the
 prefix add, the block write, the output norm, the next sublayer).
 
-The mutating ops are given in functional form (what ``auto_functionalized`` returns: the
-op's outputs, then the new prefix and bank); the block write is a ``select_scatter`` whose
+The pure ops' statements take the op's arguments as the op does (positional or by name)
+and build its record (``ops/attn_res_args.py``); its tensors are the traced values. The
+mutating ops are given in functional form (what ``auto_functionalized`` returns: the op's
+outputs, then the new prefix and bank); the block write is a ``select_scatter`` whose
 input bank is dead after it, so Inductor's reinplacing turns it back into a slot write.
 """
 
@@ -16,6 +18,12 @@ from __future__ import annotations
 
 import torch
 
+from kimi_passes.ops.attn_res_args import (
+    MixArgs,
+    MixBackwardArgs,
+    MixListArgs,
+    MixListBackwardArgs,
+)
 from kimi_passes.ops.mix_list import folded_query
 
 
@@ -64,16 +72,19 @@ def _realized(x: torch.Tensor) -> torch.Tensor:
     return torch.as_strided(x, x.shape, x.stride())
 
 
-def attn_res_mix(prefix, blocks, norm_weight, qk_weight, *, num_blocks: int, eps: float):
+def attn_res_mix(*args, **kwargs):
     """``kimi.attn_res_mix``: the mixture of ``blocks[:, :num_blocks]`` then ``prefix``."""
-    bank = blocks[:, :num_blocks] if num_blocks else None
-    return mixture(bank, [prefix], folded_query(norm_weight, qk_weight), eps).to(prefix.dtype)
+    a = MixArgs(*args, **kwargs)
+    bank = a.blocks[:, :a.num_blocks] if a.num_blocks else None
+    w = folded_query(a.norm_weight, a.qk_weight)
+    return mixture(bank, [a.prefix], w, a.eps).to(a.prefix.dtype)
 
 
-def attn_res_mix_list(sources, norm_weight, qk_weight, *, eps: float, out_dtype):
+def attn_res_mix_list(*args, **kwargs):
     """``kimi.attn_res_mix_list``: the mixture of a list of sources."""
-    mixed = mixture(None, list(sources), folded_query(norm_weight, qk_weight), eps)
-    return mixed.to(out_dtype or sources[0].dtype)
+    a = MixListArgs(*args, **kwargs)
+    mixed = mixture(None, list(a.sources), folded_query(a.norm_weight, a.qk_weight), a.eps)
+    return mixed.to(a.out_dtype or a.sources[0].dtype)
 
 
 def attn_res(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight, *,
@@ -99,9 +110,7 @@ def attn_res(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight, 
     return out.to(dtype), x, new_blocks
 
 
-def attn_res_mix_backward(grad, prefix, blocks, norm_weight, qk_weight, *, num_blocks: int,
-                          eps: float, need_prefix: bool, need_blocks: bool,
-                          need_weights: bool):
+def attn_res_mix_backward(*args, **kwargs):
     """``kimi.attn_res_mix_backward``: ``(dprefix, dblocks, dw)`` (``ops/backward.py``).
 
     Per row, sources ``v_j``, ``r_j = rsqrt(mean(v_j^2) + eps)``, ``logit_j = <v_j, w> r_j``,
@@ -109,9 +118,11 @@ def attn_res_mix_backward(grad, prefix, blocks, norm_weight, qk_weight, *, num_b
     ``dv_j = p_j g + a_j w - (a_j logit_j r_j / H) v_j``; ``dw = sum a_j v_j``. An output
     not asked for is an empty ``[0]`` tensor; ``dblocks`` has zeros past ``num_blocks``.
     """
+    b = MixBackwardArgs(*args, **kwargs)
+    prefix, blocks, num_blocks, eps = b.prefix, b.blocks, b.num_blocks, b.eps
     dtype, H = prefix.dtype, prefix.shape[-1]
-    w = folded_query(norm_weight, qk_weight)
-    g, x = grad.float(), prefix.float()
+    w = folded_query(b.norm_weight, b.qk_weight)
+    g, x = b.grad.float(), prefix.float()
     bank = blocks[:, :num_blocks].float() if num_blocks else None
     parts_r, parts_l, parts_gv = [], [], []
     if bank is not None:
@@ -131,33 +142,34 @@ def attn_res_mix_backward(grad, prefix, blocks, norm_weight, qk_weight, *, num_b
     n = num_blocks
     empty = prefix.new_empty((0,))
     dprefix = empty
-    if need_prefix:
+    if b.need_prefix:
         dprefix = (p[:, n:] * g + a[:, n:] * w + c[:, n:] * x).to(dtype)
     dblocks = empty
-    if need_blocks:
+    if b.need_blocks:
         dblocks = torch.zeros(blocks.shape, dtype=dtype, device=blocks.device)
         if bank is not None:
             dbank = (p[:, :n, None] * g.unsqueeze(-2) + a[:, :n, None] * w
                      + c[:, :n, None] * bank)
             dblocks = torch.slice_scatter(dblocks, dbank.to(dtype), 1, 0, n)
     dw = empty
-    if need_weights:
+    if b.need_weights:
         dw = (a[:, n:] * x).sum(0)
         if bank is not None:
             dw = dw + (a[:, :n, None] * bank).sum((0, 1))
     return dprefix, dblocks, dw
 
 
-def attn_res_mix_list_backward(grad, sources, norm_weight, qk_weight, *, eps: float,
-                               need_sources: bool, need_weights: bool):
+def attn_res_mix_list_backward(*args, **kwargs):
     """``kimi.attn_res_mix_list_backward``: ``(dsources, dw)`` (``ops/backward.py``).
 
     ``attn_res_mix_backward``'s formulas, one term per source (each read where it lies);
     ``dsources`` is ``[]`` when not asked for, ``dw`` an empty ``[0]`` tensor.
     """
-    H = grad.shape[-1]
-    w = folded_query(norm_weight, qk_weight)
-    g = grad.float()
+    b = MixListBackwardArgs(*args, **kwargs)
+    sources, eps = b.sources, b.eps
+    H = b.grad.shape[-1]
+    w = folded_query(b.norm_weight, b.qk_weight)
+    g = b.grad.float()
     values = [s.float() for s in sources]
     r = torch.stack([_inv_rms(v, eps) for v in values], dim=-1)
     logit = torch.stack([(v * w).sum(-1) for v in values], dim=-1) * r
@@ -166,10 +178,10 @@ def attn_res_mix_list_backward(grad, sources, norm_weight, qk_weight, *, eps: fl
     a = (gv - (p * gv).sum(-1, keepdim=True)) * p * r
     c = a * logit * r / -H
     dsources = []
-    if need_sources:
+    if b.need_sources:
         dsources = [(p[..., j, None] * g + a[..., j, None] * w + c[..., j, None] * v).to(s.dtype)
                     for j, (v, s) in enumerate(zip(values, sources, strict=True))]
     dw = sources[0].new_empty((0,))
-    if need_weights:
+    if b.need_weights:
         dw = sum((a[..., j, None] * v).reshape(-1, H).sum(0) for j, v in enumerate(values))
     return dsources, dw

@@ -44,21 +44,13 @@ kimi = torch.ops.kimi
 #: The dtypes the statements are written for (fp32 accumulation); fp64 (the tests'
 #: gradcheck) stays the op.
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-#: Pure ops, lowered by ``_lower_pure`` from their positional arguments.
+#: Pure ops, lowered by ``_lower_pure``: op -> its statement, which takes the op's
+#: arguments as the op does (and builds the op's record from them).
 PURE = {
-    kimi.attn_res_mix.default: lambda prefix, blocks, nw, qk, num_blocks, eps: (
-        dec.attn_res_mix, (prefix, blocks, nw, qk), {"num_blocks": num_blocks, "eps": eps}),
-    kimi.attn_res_mix_list.default: lambda sources, nw, qk, eps, out_dtype=None: (
-        dec.attn_res_mix_list, (list(sources), nw, qk), {"eps": eps, "out_dtype": out_dtype}),
-    kimi.attn_res_mix_backward.default: lambda grad, prefix, blocks, nw, qk, num_blocks, eps,
-    need_p, need_b, need_w: (
-        dec.attn_res_mix_backward, (grad, prefix, blocks, nw, qk),
-        {"num_blocks": num_blocks, "eps": eps, "need_prefix": need_p, "need_blocks": need_b,
-         "need_weights": need_w}),
-    kimi.attn_res_mix_list_backward.default: lambda grad, sources, nw, qk, eps, need_s,
-    need_w: (
-        dec.attn_res_mix_list_backward, (grad, list(sources), nw, qk),
-        {"eps": eps, "need_sources": need_s, "need_weights": need_w}),
+    kimi.attn_res_mix.default: dec.attn_res_mix,
+    kimi.attn_res_mix_list.default: dec.attn_res_mix_list,
+    kimi.attn_res_mix_backward.default: dec.attn_res_mix_backward,
+    kimi.attn_res_mix_list_backward.default: dec.attn_res_mix_list_backward,
 }
 #: Pure ops with several outputs (read through ``getitem``).
 MULTI_OUTPUT = (kimi.attn_res_mix_backward.default, kimi.attn_res_mix_list_backward.default)
@@ -199,8 +191,10 @@ def _lower_attn_res(graph: Graph, call: AttnResCall) -> None:
 
 
 def _lower_pure(graph: Graph, node: Node) -> None:
-    fn, args, const = PURE[node.target](*node.args, **node.kwargs)
-    outs = _inline(graph, node, fn, args, const)
+    fn = PURE[node.target]
+    # The arguments' nodes (a list of sources included) are the statement's traced inputs.
+    outs = _inline(graph, node, lambda args, kwargs: fn(*args, **kwargs),
+                   (node.args, node.kwargs), {})
     if node.target in MULTI_OUTPUT:
         _replace(graph, node, dict(enumerate(outs)))
     else:
