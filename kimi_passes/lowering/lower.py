@@ -139,8 +139,8 @@ def _inline(graph: Graph, anchor: Node, fn, args, const: dict) -> list:
         filled = [next(given) if isinstance(x, Node) else x for x in leaves]
         return fn(*pytree.tree_unflatten(filled, spec), **const)
 
-    # Imported here: Inductor's pattern matcher costs `import kimi_passes` about 0.9 s,
-    # and only a compile reaches this.
+    # Imported here: Inductor's pattern matcher is a heavy import that only a compile needs
+    # (``import kimi_passes`` stays light).
     from torch._inductor.pattern_matcher import fwd_only
 
     vals = [n.meta["val"] for n in inputs]
