@@ -7,7 +7,7 @@ try:
     # it in BackendCompilerFailed: users can `except kimi_passes.AuxCaptureError`.
     from torch._dynamo.exc import ShortenTraceback as _Base
 except ImportError:  # pragma: no cover - torch without that class
-    _Base = RuntimeError
+    _Base = RuntimeError  # type: ignore[misc,assignment]  # the fallback base, same role
 
 
 class AuxCaptureError(_Base):
@@ -20,7 +20,7 @@ class AuxCaptureError(_Base):
     def __init__(self, message: str):
         self.message = message
         if _Base is RuntimeError:
-            super().__init__(message)
+            RuntimeError.__init__(self, message)
         else:
             super().__init__(message, first_useful_frame=None)
 

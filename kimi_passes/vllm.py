@@ -33,7 +33,7 @@ except ImportError as e:  # pragma: no cover - exercised in a process without vL
 try:  # vLLM from early 2026 on
     from vllm.compilation.passes.inductor_pass import InductorPass
 except ImportError:  # older vLLM
-    from vllm.compilation.inductor_pass import InductorPass
+    from vllm.compilation.inductor_pass import InductorPass  # type: ignore[no-redef]  # same class
 
 import torch
 
@@ -75,7 +75,7 @@ class KimiVllmPass(InductorPass):
         if not self.serve_drafter:
             return
         drafter = served_drafter()
-        if drafter != self.manager.config.drafter:
+        if drafter != getattr(self.manager.config, "drafter", None):
             self.manager = pass_manager(self.config.with_drafter(drafter))
 
     def __call__(self, graph: torch.fx.Graph) -> None:
@@ -123,13 +123,14 @@ def served_drafter() -> DrafterTaps | None:
     config = _current_config()
     spec = getattr(config, "speculative_config", None)
     draft = getattr(spec, "draft_model_config", None)
-    if draft is None or getattr(spec, "method", None) not in AUX_METHODS:
+    method = getattr(spec, "method", None)
+    if draft is None or method not in AUX_METHODS:
         return None
     target = getattr(getattr(config, "model_config", None), "hf_config", None)
     num_layers = getattr(target, "num_hidden_layers", None)
     return drafter_capture_ids(
         draft.hf_config, num_layers if isinstance(num_layers, int) else None,
-        source=f"vLLM serves ({spec.method}: speculative_config.draft_model_config.hf_config)")
+        source=f"vLLM serves ({method}: speculative_config.draft_model_config.hf_config)")
 
 
 def _current_config():
@@ -172,6 +173,5 @@ def compile_config_entries(aux_stream: str | None = None, **options) -> dict[str
 attn_res_stream_pass = KimiVllmPass(KimiPassConfig(aux_stream="attn_res"))
 prefix_stream_pass = KimiVllmPass(KimiPassConfig(aux_stream="prefix"))
 
-_top = sys.modules["kimi_passes"]
-_top.attn_res_stream_pass = attn_res_stream_pass
-_top.prefix_stream_pass = prefix_stream_pass
+vars(sys.modules["kimi_passes"]).update(attn_res_stream_pass=attn_res_stream_pass,
+                                        prefix_stream_pass=prefix_stream_pass)

@@ -17,6 +17,7 @@ import pstats
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -93,7 +94,7 @@ def time_pass(graph, reps: int, profile: bool = False) -> dict:
             t0 = time.perf_counter()
             p(g)
             ts[key].append(time.perf_counter() - t0)
-    res = {key: summary(v) for key, v in ts.items()}
+    res: dict[str, Any] = {key: summary(v) for key, v in ts.items()}
     res["nodes"] = len(graph.nodes)
     res["taps"] = sum(1 for n in graph.nodes if n.target is torch.ops.kimi.aux_tap.default)
     if profile:
@@ -109,7 +110,8 @@ def time_pass(graph, reps: int, profile: bool = False) -> dict:
 def _profile_rows(prof, top=25) -> list[dict]:
     st = pstats.Stats(prof, stream=io.StringIO())
     rows = []
-    for (file, line, func), (_cc, nc, tt, ct, _callers) in st.stats.items():
+    table = st.stats  # type: ignore[attr-defined]  # pstats keeps it there; typeshed omits it
+    for (file, line, func), (_cc, nc, tt, ct, _callers) in table.items():
         rows.append({"function": f"{Path(file).name}:{line}({func})", "ncalls": nc,
                      "tottime_s": tt, "cumtime_s": ct})
     rows.sort(key=lambda r: r["cumtime_s"], reverse=True)

@@ -29,6 +29,7 @@ and the fusion find their consumers by them; the goldens record the graph before
 from __future__ import annotations
 
 import operator
+from typing import Any, cast
 
 import torch
 import torch.utils._pytree as pytree
@@ -148,7 +149,7 @@ def _inline(graph: Graph, anchor: Node, fn, args, const: dict) -> list:
     with mode if mode is not None else torch._subclasses.FakeTensorMode():
         traced = fwd_only(statement, vals)
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
-    env: dict[Node, object] = dict(zip(placeholders, inputs, strict=True))
+    env: dict[Node, Any] = dict(zip(placeholders, inputs, strict=True))
     for n in traced.graph.nodes:
         if n.op == "output":
             outputs = torch.fx.map_arg(n.args[0], env.__getitem__)
@@ -191,7 +192,7 @@ def _lower_attn_res(graph: Graph, call: AttnResCall) -> None:
 
 
 def _lower_pure(graph: Graph, node: Node) -> None:
-    fn = PURE[node.target]
+    fn = PURE[cast(torch._ops.OpOverload, node.target)]
     # The arguments' nodes (a list of sources included) are the statement's traced inputs.
     outs = _inline(graph, node, lambda args, kwargs: fn(*args, **kwargs),
                    (node.args, node.kwargs), {})

@@ -51,7 +51,8 @@ def _package_of(name: str) -> str:
     if module is not None:
         is_package = hasattr(module, "__path__")
     else:
-        is_package = getattr(importlib.util.find_spec(name), "submodule_search_locations", None)
+        is_package = bool(getattr(importlib.util.find_spec(name), "submodule_search_locations",
+                                  None))
     return name if is_package else name.rpartition(".")[0]
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable
+from typing import TypeGuard
 
 import torch
 from torch._higher_order_ops.auto_functionalize import (
@@ -70,7 +71,7 @@ def root(node):
     return node
 
 
-def is_plain_add(node) -> bool:
+def is_plain_add(node) -> TypeGuard[Node]:
     """``add(x, y)`` with no ``alpha``."""
     return isinstance(node, Node) and node.target is aten.add.Tensor and not node.kwargs
 
@@ -123,7 +124,7 @@ def kimi_op(node: Node) -> torch._ops.OpOverload | None:
     """The ``torch.ops.kimi`` op ``node`` calls, directly or functionalized; else None."""
     if node.op != "call_function":
         return None
-    target = node.target
+    target: object = node.target
     if target in AUTO_FUNCTIONALIZED and node.args:
         target = node.args[0]
     if isinstance(target, torch._ops.OpOverload) and target.namespace == "kimi":
@@ -172,6 +173,7 @@ def call_function(graph: Graph, target, args=(), kwargs=None, *, before: Node | 
     if (before is None) == (after is None):
         raise ValueError("call_function: give exactly one of before= and after=")
     anchor = before if before is not None else after
+    assert anchor is not None  # exactly one was given (checked above)
     where = graph.inserting_before(before) if before is not None else graph.inserting_after(after)
     with where:
         node = graph.call_function(target, tuple(args), dict(kwargs or {}))

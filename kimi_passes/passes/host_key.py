@@ -18,8 +18,10 @@ from kimi_passes.errors import AuxCaptureError
 def check_host_key(pass_) -> None:
     """Raise if the installed post-grad pass wraps ``pass_`` under another cache key."""
     host = torch._inductor.config.post_grad_custom_post_pass
-    for wrapper in getattr(host, "passes", None) or ():
-        if getattr(wrapper, "callable", None) is pass_ and wrapper.uuid() != pass_.uuid():
+    wrappers: list = list(getattr(host, "passes", None) or ())
+    ours = pass_  # compared by identity below (which narrows the compared name's type)
+    for wrapper in wrappers:
+        if getattr(wrapper, "callable", None) is ours and wrapper.uuid() != pass_.uuid():
             raise AuxCaptureError(
                 f"kimi_passes: {type(pass_).__name__} reached the compiler wrapped in "
                 f"{type(wrapper).__name__}, whose cache key hashes the class source only, "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
@@ -63,8 +64,9 @@ class AttnResCall:
     def base(self, name: str) -> Node:
         """The value passed as mutated argument ``name`` (prefix or blocks)."""
         if self.is_v2:
-            return self.node.kwargs["_all_bases"][self.node.kwargs[f"_{name}_base_index"]]
-        return self.node.kwargs[name]
+            bases = cast(list, self.node.kwargs["_all_bases"])
+            return bases[cast(int, self.node.kwargs[f"_{name}_base_index"])]
+        return cast(Node, self.node.kwargs[name])
 
     @property
     def num_returns(self) -> int:
@@ -73,7 +75,7 @@ class AttnResCall:
     def output_index(self, name: str) -> int:
         """getitem index of a mutated base's new value."""
         if self.is_v2:
-            return self.num_returns + self.node.kwargs[f"_{name}_base_index"]
+            return self.num_returns + cast(int, self.node.kwargs[f"_{name}_base_index"])
         return self.num_returns + MUTATED_ARGS.index(name)
 
     @property
@@ -94,6 +96,12 @@ class AttnResCall:
             f"{where} {self.op.name()}(num_blocks={self.arg('num_blocks')}, "
             f"block_write_idx={self.arg('block_write_idx')})"
         )
+
+
+def tap_args(tap: Node) -> tuple[Node, int]:
+    """A ``kimi.aux_tap`` node's tapped value and capture id."""
+    value, capture_id = tap.args
+    return cast(Node, value), cast(int, capture_id)
 
 
 def attn_res_calls(graph: torch.fx.Graph) -> list[AttnResCall]:

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch.fx import Node
@@ -62,6 +63,7 @@ from kimi_passes.passes.kimi_calls import (
     attn_res_calls,
     cpu_kimi_calls,
     mix_nodes,
+    tap_args,
 )
 from kimi_passes.taps.consumer import find_consumers
 from kimi_passes.taps.served import DrafterCheck
@@ -148,7 +150,7 @@ class AuxStreamPass(KimiGraphPass):
         geometry = _Geometry.of(graph)
         _check_unique_ids(taps, geometry)
         if self._check is not None:
-            self._check([tap.args[1] for tap in taps], geometry)
+            self._check([tap_args(tap)[1] for tap in taps], geometry)
         if not taps:
             return []
         rewrites = [self._rewrite(graph, tap, geometry) for tap in taps]
@@ -161,7 +163,7 @@ class AuxStreamPass(KimiGraphPass):
             "bank (nothing to fuse it into)" for r in rewrites if r.fused is False]
 
     def _rewrite(self, graph: torch.fx.Graph, tap: Node, geometry: _Geometry) -> TapRewrite:
-        value, capture_id = tap.args
+        value, capture_id = tap_args(tap)
         # The prefix stream needs no consumer (a boundary tap, or no AttnRes op at all, is
         # served as is: the remedy the refusals name); one that is found is still checked.
         consumer = _find_consumer(graph, tap, geometry, required=self.stream != "prefix",
@@ -233,7 +235,7 @@ def _to_capture(graph: torch.fx.Graph, call: AttnResCall) -> AttnResCall:
     new = call_function(graph, old.target, (kimi.attn_res_capture.default,), old.kwargs,
                         before=old, stands_for=old)
     for user in list(old.users):
-        index = user.args[1]
+        index = cast(int, user.args[1])
         user.args = (new, index if index == 0 else index + 1)
     graph.erase_node(old)
     call.node = new  # in place: the geometry's list of calls stays current
@@ -267,7 +269,7 @@ class _Geometry:
         return cls(attn_res_calls(graph), mix_nodes(graph))
 
     def stage(self) -> str:
-        if self.first_layer is None:
+        if self.first_layer is None or self.last_layer is None:
             return "a graph whose AttnRes calls carry no layer index"
         end = self.last_layer + 1
         kind = "final stage" if self.has_output_aggregation else "non-final stage"
@@ -281,7 +283,7 @@ class _Geometry:
 def _check_unique_ids(taps: list[Node], geometry: _Geometry) -> None:
     seen: dict[int, Node] = {}
     for tap in taps:
-        k = tap.args[1]
+        k = tap_args(tap)[1]
         if k in seen:
             raise AuxCaptureError(
                 f"capture id {k} is claimed by two aux taps ({seen[k].name} and {tap.name}) "
@@ -293,7 +295,7 @@ def _check_unique_ids(taps: list[Node], geometry: _Geometry) -> None:
 
 def _find_consumer(graph: torch.fx.Graph, tap: Node, geometry: _Geometry, required=True,
                    split_ops=None, graph_end: GraphEnd | None = None):
-    value, k = tap.args
+    value, k = tap_args(tap)
     found = find_consumers(graph, value, geometry.calls, geometry.mixes)
     if not required and (not geometry.has_attn_res or not found):
         return None
@@ -346,7 +348,7 @@ def _passes_through(tap: Node) -> bool:
     and its consumer: a graph holding the marker alone. A model that truly has no AttnRes
     op reads the tapped value in its next layer.
     """
-    value = tap.args[0]
+    value = tap_args(tap)[0]
     readers = [u for u in value.users if u is not tap] if isinstance(value, Node) else []
     return all(u.op == "output" for u in [*tap.users, *readers])
 
@@ -403,7 +405,7 @@ def _refuse_split(k: int, split_ops: tuple[str, ...], geometry: _Geometry) -> No
             f"remove {kimi_ops} from CompilationConfig.splitting_ops (vLLM's default, its "
             "attention ops, keeps each tap with its consumer)"
         )
-    if geometry.first_layer is not None:
+    if geometry.first_layer is not None and geometry.last_layer is not None:
         where = f"AttnRes calls of layers [{geometry.first_layer}, {geometry.last_layer + 1})"
     else:
         where = "AttnRes calls" if geometry.has_attn_res else "no AttnRes op"
