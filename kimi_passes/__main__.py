@@ -28,6 +28,7 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -281,7 +282,9 @@ def _run(args, cfg, stages) -> int:
                 part = f" graph {i}" if len(recorder.graphs) > 1 else ""
                 if g.before is not None:
                     graphs[f"stage {name}{part}: before"] = (g.before, g.names)
-                    graphs[f"stage {name}{part}: after"] = (g.after, g.names)
+                    # set with before: after_passes follows before_passes
+                    graphs[f"stage {name}{part}: after"] = (cast("torch.fx.Graph", g.after),
+                                                             g.names)
         dot = graph_dot(graphs)
         done = subprocess.run(["dot", "-Tsvg", "-o", args.svg], input=dot, text=True,
                               capture_output=True)

@@ -97,7 +97,7 @@ def mix_backward_rows(grad, sources, q, eps, dsources, dw) -> None:
                 if d is None:
                     continue
                 direct = d.dtype == cdt
-                dv = d[r0:r1] if direct else dv_buf[:C]
+                dv = d[r0:r1] if direct else dv_buf[:C]  # type: ignore[index]  # None only if all direct
                 torch.mul(v[:, j], nc[:, j:j + 1], out=dv)
                 dv.addcmul_(g, p[:, j:j + 1])
                 dv.addcmul_(a[:, j:j + 1], q)

@@ -66,7 +66,7 @@ def torch_rows(a: AttnResArgs, out, mixed):
             x.add_(delta[t0:t1])  # low precision: fp32 add, one rounding (as the reference)
         if block_write_idx >= 0:
             blocks[t0:t1, block_write_idx].copy_(x)
-        m = out[t0:t1] if direct else mix_buf[:C]
+        m = out[t0:t1] if direct else mix_buf[:C]  # type: ignore[index]  # None only if direct
         if nb == 0:
             m.copy_(x)  # a single source gets softmax weight 1
         else:

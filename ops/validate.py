@@ -98,7 +98,7 @@ def _diagnose(a: AttnResArgs) -> None:
                 f"kimi attn_res: hidden size mismatch: {name} has H={t.shape[-1]} "
                 f"(shape {tuple(t.shape)}) but prefix has H={H}"
             )
-    for name, t in (("delta", delta), ("blocks", blocks)):
+    for name, t in (("delta", delta), ("blocks", blocks)):  # type: ignore[assignment]  # t: Tensor | None here
         if t is not None and t.shape[0] != T:
             _fail(
                 f"kimi attn_res: token count mismatch: {name} has T={t.shape[0]} "

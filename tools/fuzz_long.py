@@ -102,7 +102,8 @@ def summarize(logs: list[Path]) -> tuple[str, bool]:
 
     outcomes = collections.Counter(r["outcome"] for r in rows)
     stages = collections.Counter(s for r in rows for s in r.get("stages", ()))
-    cache, taps, with_tap, fused_taps, served_boundary = {}, 0, 0, 0, 0
+    cache: dict = {}
+    taps, with_tap, fused_taps, served_boundary = 0, 0, 0, 0
     for r in rows:
         k = 0
         for (a, b), st in zip(itertools.pairwise([0, *r["cuts"], r["L"]]),

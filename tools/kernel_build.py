@@ -429,7 +429,7 @@ def run(ci: bool, jobs: int) -> list[dict]:
     for v, d, H, cc in todo:
         fn, cfg = launch(v, d, H)
         keys.append((v, d, cc, fn.fn.__name__, tuple(sorted(cfg.items())), H % 16 == 0))
-    first = {}
+    first: dict[tuple, tuple] = {}
     for key, args in zip(keys, todo, strict=True):
         first.setdefault(key, args)
     unique = list(first.values())

@@ -64,6 +64,7 @@ class Config:
         self.peers = not a.no_peers
         self.check = not a.no_check
         threads = a.threads or torch.get_num_threads()
+        self.timer: CudaTimer | CpuTimer
         if cuda:
             self.timer = CudaTimer(rounds=a.rounds or (5 if quick else 9), reps=10,
                                    device=self.device)
@@ -83,6 +84,8 @@ class Config:
                           else CpuTimer(rounds=a.rounds or (7 if quick else 21),
                                         block_s=0.05 if quick else 0.25, threads=threads,
                                         max_s=10.0 if quick else 90.0))
+        #: The op section's timer while the tap section runs (``main`` sets it).
+        self.op_timer: CudaTimer | CpuTimer
         self.pass_layers = a.pass_layers or (16 if quick else 93)
         self.pass_cold = not quick
         self.pass_all_taps = not quick
@@ -160,7 +163,8 @@ def main(argv=None) -> int:
         log(f"warning: load average {load[0]:.1f} exceeds the {os.cpu_count()} CPUs and torch "
             f"uses {torch.get_num_threads()} threads: timings will be scheduler noise; "
             "use --threads 1")
-    errors, cache = {}, {}
+    errors: dict[str, str] = {}
+    cache: dict = {}
     t_start = time.perf_counter()
     for sec in sections:
         log(f"-- {sec} --")

@@ -65,7 +65,7 @@ def main(argv=None) -> None:
     op = torch.ops.kimi.attn_res
     load = os.getloadavg()[0]
     print(f"threads={a.threads}  cores={os.cpu_count()}  load average={load:.2f}")
-    if a.threads > 1 and load > os.cpu_count():
+    if a.threads > 1 and load > (os.cpu_count() or 1):
         print(f"warning: load average {load:.1f} on {os.cpu_count()} CPUs: OpenMP threads wait "
               "on the scheduler at every parallel region and timings are noise (the op runs "
               "more, smaller regions than plain torch); use --threads 1")

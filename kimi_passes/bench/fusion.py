@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import logging
 import statistics
+from typing import cast
 
 import torch
 import torch.utils.benchmark as benchmark
@@ -80,9 +81,10 @@ def _cheap(self, x):
 
 def wiring_only(model: K3Model) -> K3Model:
     """``model`` with every sublayer (attention, MLP) an elementwise op: the wiring alone."""
-    for layer in model.layers.values():
-        layer.self_attn.forward = _cheap.__get__(layer.self_attn)
-        layer.mlp.forward = _cheap.__get__(layer.mlp)
+    for layer in model.layers.values():  # DecoderLayer: its sublayers are modules
+        attn, mlp = cast(torch.nn.Module, layer.self_attn), cast(torch.nn.Module, layer.mlp)
+        attn.forward = _cheap.__get__(attn)
+        mlp.forward = _cheap.__get__(mlp)
     return model
 
 
@@ -173,7 +175,9 @@ def run(name, build, args) -> None:
         torch.testing.assert_close(first_tensor(got), first_tensor(ref), atol=2e-3, rtol=2e-3)
         fusion = kimi.passes.get(AttnResFusionPass)
     n = fusion.last_fused
-    plain_t, kimi_t, ratios = [], [], []
+    plain_t: list[float] = []
+    kimi_t: list[float] = []
+    ratios: list[float] = []
     for r in range(args.rounds):
         order = [(plain_fn, plain_t), (kimi_fn, kimi_t)]
         for fn, times in (order if r % 2 == 0 else order[::-1]):

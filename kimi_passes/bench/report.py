@@ -33,7 +33,7 @@ def format_report(results: dict) -> str:
             w(op_line(row, device))
         errs = [r["max_rel_err"] for r in results["op"]["rows"] if r["max_rel_err"]]
         if errs:
-            worst = {}
+            worst: dict[str, float] = {}
             for e in errs:
                 for k, v in e.items():
                     worst[k] = max(worst.get(k, 0.0), v)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Any
 
 import torch
 
@@ -41,7 +42,7 @@ def bench_tap(cfg, log) -> dict:
                   intermediate_size=2 * H, vocab_size=128, aux_layer_ids=eagle3_ids(L),
                   dtype=dtype)
     ids = k3_input(k3, T, cfg.device)
-    ways = {
+    ways: dict[str, dict[str, Any]] = {
         "prefix": dict(aux_stream="prefix"),
         "attn_res": dict(aux_stream="attn_res"),
         "vllm_style": dict(aux_stream="attn_res", fuse_capture=False),
@@ -66,7 +67,7 @@ def bench_tap(cfg, log) -> dict:
     with torch.no_grad():
         samples = cfg.timer.run(cands)
     t = {name: summary(s) for name, s in samples.items()}
-    res = {
+    res: dict[str, Any] = {
         "config": {"num_layers": L, "hidden_size": H, "block_size": S, "T": T,
                    "intermediate_size": 2 * H, "num_heads": k3.num_heads, "dtype": str(dtype),
                    "capture_ids": list(k3.aux_layer_ids)},

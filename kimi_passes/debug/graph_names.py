@@ -8,6 +8,7 @@ namespace and op name, and sympy symbols are renumbered in order of first use.
 from __future__ import annotations
 
 import re
+from typing import cast
 
 import torch
 from torch.fx import GraphModule, Node
@@ -64,7 +65,8 @@ def op_name(target) -> str:
         return target
     module = getattr(target, "__module__", None) or ""
     module = {"_operator": "operator", "builtins": ""}.get(module, module)
-    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", repr(target))
+    name = cast(str, getattr(target, "__qualname__", None)  # a function's or class's name
+                or getattr(target, "__name__", repr(target)))
     return f"{module}.{name}" if module else name
 
 
@@ -76,7 +78,7 @@ def _first_use(text: str, name: str) -> int:
 class Symbols:
     """Renames sympy symbols in order of first use: s0, s1, ... (u0, ... for unbacked)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.names: dict[str, str] = {}
         self.counts: dict[str, int] = {}
 

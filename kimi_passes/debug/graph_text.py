@@ -31,7 +31,7 @@ is ``kimi_passes.debug.recording``'s job; this module only reads graphs.
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.fx import Graph, GraphModule, Node
@@ -219,7 +219,7 @@ class _Printer:
         if target in AUTO_FUNCTIONALIZED:
             return self._functional(node)
         if target is operator.getitem and isinstance(node.args[0], Node):
-            base, index = node.args
+            base, index = cast("tuple[Node, Any]", node.args)  # getitem(base, index)
             if base.op == "call_function" and base.target in AUTO_FUNCTIONALIZED:
                 return f"{self.ref(base)}.{functional_output(base, index)}"
             return f"{self.ref(base)}[{self.fmt(index)}]"

@@ -27,6 +27,7 @@ through the bank and the prefix, which the rewrite fixes, not Inductor.
 from __future__ import annotations
 
 import operator
+from typing import Any, cast
 
 import torch
 from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
@@ -105,7 +106,7 @@ class KimiView:
         if a in self.names:
             return self.names[a], False
         if a.op == "call_function" and a.target is operator.getitem and a.args[0] in self.names:
-            base, index = a.args
+            base, index = cast("tuple[Node, Any]", a.args)  # getitem(base, index)
             if base.target in AUTO_FUNCTIONALIZED:
                 return f"{self.names[base]}.{functional_output(base, index)}", False
             return f"{self.names[base]}[{index}]", False
@@ -167,10 +168,16 @@ def _packet_name(target) -> str:
 VIEW_KEYS = ("size", "stride", "storage_offset", "slice_dim", "slice_start", "slice_end")
 
 
+def _functional_call(node: Node) -> tuple[torch._ops.OpOverload, dict[str, Any]]:
+    """``auto_functionalized(op, **kwargs)``'s op and keyword arguments (``node.args[0]``,
+    ``node.kwargs``), typed as the call's schema gives them."""
+    return cast("torch._ops.OpOverload", node.args[0]), node.kwargs
+
+
 def functional_arguments(node: Node) -> list[tuple[str, object, dict]]:
     """An auto_functionalized(_v2) call's schema arguments as (name, value, view): under v2
     a mutated argument's value is its base and ``view`` the view keywords given for it."""
-    op, kwargs = node.args[0], node.kwargs
+    op, kwargs = _functional_call(node)
     mutated = mutated_args(op)
     out = []
     for arg in op._schema.arguments:
@@ -198,7 +205,7 @@ def mutated_args(op) -> list[str]:
 
 def functional_output(node: Node, index: int) -> str:
     """What ``getitem(node, index)`` of an auto_functionalized(_v2) node reads."""
-    op, kwargs = node.args[0], node.kwargs
+    op, kwargs = _functional_call(node)
     n_ret = len(op._schema.returns)
     if index < n_ret:
         return f"ret[{index}]"

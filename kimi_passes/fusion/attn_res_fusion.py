@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch.fx import Graph, Node
@@ -78,7 +79,7 @@ from kimi_passes.fusion.grad_anchor import keep_gradients, leaf_inputs
 from kimi_passes.fusion.rewrite import FusedSite, MixtureMatch, rewrite, with_replacements
 from kimi_passes.fusion.rules import SOFTMAX_OPS
 from kimi_passes.fusion.sources import split_sources
-from kimi_passes.fusion.values import NoMatch
+from kimi_passes.fusion.values import MixtureValue, NoMatch
 from kimi_passes.passes.base import KimiGraphPass, logger
 from kimi_passes.passes.fx_toolkit import CASTS, calls_to
 from kimi_passes.passes.kimi_calls import AUX_TAP
@@ -154,7 +155,8 @@ class AttnResFusionPass(KimiGraphPass):
                 taken.add(m.out)
                 matches.append(m)
         tapped = [n.args[0] for n in calls_to(graph, AUX_TAP)]
-        anchors, replaced = [], {}
+        anchors: list[tuple[Node, set[Node]]] = []
+        replaced: dict[Node, Node] = {}
         mutating = _mutating_nodes(graph) if matches else []
         for m in matches:
             mutation = next((x for x in mutating if m.root < x < m.out), None)
@@ -265,8 +267,10 @@ def _match(softmax: Node) -> MixtureMatch | NearMiss:
                                "(site left unfused): %r", softmax.name, root.name, e)
                 miss.reasons.append(f"[{w.name} over root {root.name}] matcher error: {e!r}")
                 continue
-            lg = ev.logits
-            return MixtureMatch(softmax, root, out, val.dims, ev.axes, source_dim, lg.rsqrt_eps,
+            # A run that returns found the logits, with their eps (check_logits).
+            lg = cast(MixtureValue, ev.logits)
+            eps = cast(float, lg.rsqrt_eps)
+            return MixtureMatch(softmax, root, out, val.dims, ev.axes, source_dim, eps,
                                 lg.weights, lg.coefficient, ev.sizes, sources,
                                 tuple(ev.values))
         if not roots:

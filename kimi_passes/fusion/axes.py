@@ -9,12 +9,14 @@ sizes are multiplied as SymInts and compared with ``values.same_size``
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 from torch.fx import Node
 
 from kimi_passes.fusion.values import (
     NoMatch,
+    arg_int,
     is_one,
     normalize_dim,
     same_size,
@@ -35,10 +37,10 @@ _RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
 _SQUEEZES = (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
 
 
-def view_dims(node: Node, dims: tuple, sizes: dict, where: str) -> tuple:
-    """The dims of view ``node`` (a ``VIEWS`` op) of a value laid out as ``dims``."""
+def view_dims(node: Node, in_dims: tuple, sizes: dict, where: str) -> tuple:
+    """The dims of view ``node`` (a ``VIEWS`` op) of a value laid out as ``in_dims``."""
     t = node.target
-    dims, rank = list(dims), len(dims)
+    dims, rank = list(in_dims), len(in_dims)
     in_shape, out_shape = shape_of(node.args[0]), shape_of(node)
     if t in _RESHAPES:
         seq = [a for d in dims for a in d]
@@ -59,33 +61,34 @@ def view_dims(node: Node, dims: tuple, sizes: dict, where: str) -> tuple:
             raise NoMatch(f"{where}: the reshape drops axes {seq}")
         dims = new
     elif t is aten.unsqueeze.default:
-        dims.insert(normalize_dim(node.args[1], rank + 1), ())
+        dims.insert(normalize_dim(arg_int(node, 1), rank + 1), ())
     elif t in _SQUEEZES:
+        which: range | list[int]
         if t is aten.squeeze.default:
             which = range(rank)
         else:
-            arg = node.args[1]
+            arg = cast("int | list[int]", node.args[1])  # squeeze.dim / squeeze.dims
             which = [normalize_dim(d, rank) for d in (arg if isinstance(arg, (list, tuple))
                                                       else [arg])]
         drop = {d for d in which if is_one(in_shape[d])}
         dims = [d for i, d in enumerate(dims) if i not in drop]
     elif t is aten.permute.default:
-        dims = [dims[normalize_dim(p, rank)] for p in node.args[1]]
+        dims = [dims[normalize_dim(p, rank)] for p in cast("list[int]", node.args[1])]
     elif t in (aten.transpose.int, aten.t.default):
         a, b = (0, 1) if t is aten.t.default else (
-            normalize_dim(node.args[1], rank), normalize_dim(node.args[2], rank))
+            normalize_dim(arg_int(node, 1), rank), normalize_dim(arg_int(node, 2), rank))
         dims[a], dims[b] = dims[b], dims[a]
     elif t is aten.expand.default:
         if len(out_shape) != rank or not all(
                 same_size(s, o) for s, o in zip(in_shape, out_shape, strict=True)):
             raise NoMatch(f"{where}: expand replicates a value of the mixture")
     elif t is aten.select.int:
-        d = normalize_dim(node.args[1], rank)
+        d = normalize_dim(arg_int(node, 1), rank)
         if dims[d] != ():
             raise NoMatch(f"{where}: select picks one entry of axis {dims[d]}")
         dims.pop(d)
     elif t is aten.slice.Tensor:
-        d = normalize_dim(node.args[1] if len(node.args) > 1 else 0, rank)
+        d = normalize_dim(arg_int(node, 1) if len(node.args) > 1 else 0, rank)
         if not same_size(in_shape[d], out_shape[d]):
             raise NoMatch(f"{where}: slice keeps part of axis {dims[d]}")
     # copies: unchanged

@@ -26,7 +26,7 @@ kimi = torch.ops.kimi
 #: fake values traced below autograd do not keep the flag).
 REQUIRES_GRAD = "requires_grad"
 #: The fused ops and the position of their pseudo-query argument.
-_QUERY_ARG = {kimi.attn_res_mix.default: 3, kimi.attn_res_mix_list.default: 2}
+_QUERY_ARG: dict[object, int] = {kimi.attn_res_mix.default: 3, kimi.attn_res_mix_list.default: 2}
 
 
 def requires_grad(node: Node) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, replace
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 from torch.fx import Graph, Node
@@ -132,7 +132,7 @@ def _peel_vector(node: Node, H) -> Node:
     best = node
     while node.op == "call_function" and isinstance(node.args[0] if node.args else None, Node):
         t = node.target
-        x = node.args[0]
+        x = cast(Node, node.args[0])  # a Node: the loop's condition
         if t in CASTS:
             if not is_lossless(dtype_of(x), dtype_of(node)):
                 break
@@ -169,8 +169,9 @@ def rewrite(graph: Graph, m: MixtureMatch, tapped: list,
     """Replace the mixture ``m`` with one kimi op; ``tapped``: the values aux taps read;
     ``differentiable``: the graph is traced for AOTAutograd (casts it can differentiate)."""
     out = m.out
-    src_dtype = dtype_of(m.root)
-    out_dtype = dtype_of(out)
+    # The root and the mixture hold tensors (the match read their shapes): dtypes, not None.
+    src_dtype = cast(torch.dtype, dtype_of(m.root))
+    out_dtype = cast(torch.dtype, dtype_of(out))
     users = list(out.users)
     if (out_dtype != src_dtype and len(users) == 1 and users[0].target in CASTS
             and dtype_of(users[0]) == src_dtype):
@@ -181,7 +182,8 @@ def rewrite(graph: Graph, m: MixtureMatch, tapped: list,
     emit = _Emitter(graph, out, [r.tensor for r in runs], differentiable)
 
     # The weights: vectors over H (peeled to 1-D) and scalar factors.
-    vecs, scalars = [], []
+    vecs: list[Node] = []
+    scalars: list[Node] = []
     for v in m.weights:
         (vecs if same_size(numel(v), H) else scalars).append(v)
     vecs = [_peel_vector(v, H) for v in vecs]

@@ -11,6 +11,7 @@ the query dot or the weighted sum, ``mv`` the query dot (training graphs, undeco
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import cast
 
 import torch
 from torch.fx import Node
@@ -21,6 +22,7 @@ from kimi_passes.fusion.values import (
     Kind,
     MixtureValue,
     NoMatch,
+    arg_node,
     is_one,
     normalize_dim,
     numel,
@@ -138,16 +140,17 @@ def _mul(ev: MixtureState, node: Node, where: str) -> MixtureValue:
         if va.kind is Kind.SUM_OF_SQUARES:
             return replace(va, scale=va.scale * c)
         if va.kind is Kind.SHIFTED and c > 0:
-            return replace(va, logits=replace(va.logits,
-                                              coefficient=va.logits.coefficient * c))
+            lg = cast(MixtureValue, va.logits)  # a SHIFTED value carries its logits
+            return replace(va, logits=replace(lg, coefficient=lg.coefficient * c))
         if va.kind is Kind.GUARD:
             return va
         raise NoMatch(f"{where}: {va.kind} scaled by {c}")
     if vb is None:  # x * a tensor from outside: a weight vector (or a scalar)
+        b = cast(Node, b)  # not a python scalar (c is None)
         if va.kind is not Kind.MONOMIAL:
             raise NoMatch(f"{where}: {va.kind} times {b.name}")
-        kind = _ext_kind(ev, b, va.dims, where)
-        if va.hidden_summed and kind == "vec":
+        ext = _ext_kind(ev, b, va.dims, where)
+        if va.hidden_summed and ext == "vec":
             raise NoMatch(f"{where}: a hidden-axis sum times the vector {b.name}")
         extra = len(shape_of(b)) - len(va.dims)
         dims = ((),) * extra + va.dims if extra > 0 else va.dims
@@ -192,8 +195,8 @@ def _div(ev: MixtureState, node: Node, where: str) -> MixtureValue:
         if va.kind is Kind.MONOMIAL:
             return replace(va, coefficient=va.coefficient / c, exact=va.exact and c == 1.0)
         if va.kind is Kind.SHIFTED and c > 0:  # (x - max x) / c == x/c - max(x/c)
-            return replace(va, logits=replace(va.logits,
-                                              coefficient=va.logits.coefficient / c))
+            lg = cast(MixtureValue, va.logits)  # a SHIFTED value carries its logits
+            return replace(va, logits=replace(lg, coefficient=lg.coefficient / c))
         if va.kind is Kind.SUM_OF_SQUARES:
             return replace(va, scale=va.scale / c)
         raise NoMatch(f"{where}: {va.kind} divided by {c}")
@@ -205,7 +208,8 @@ def _div(ev: MixtureState, node: Node, where: str) -> MixtureValue:
             raise NoMatch(f"{where}: second normalisation of the keys")
         return replace(va, dims=dims, rsqrt_eps=vb.eps, exact=False)
     if va.kind is Kind.EXPONENTIALS and vb.kind is Kind.DENOMINATOR and vb.reduced is a:
-        return ev.found_probabilities(node, va.logits, None, where, axis=vb.softmax_axis)
+        logits = cast(MixtureValue, va.logits)  # EXPONENTIALS values carry their logits
+        return ev.found_probabilities(node, logits, None, where, axis=vb.softmax_axis)
     raise NoMatch(f"{where}: {va.kind} divided by {vb.kind}")
 
 
@@ -266,7 +270,7 @@ def _unary(ev: MixtureState, node: Node, where: str) -> MixtureValue:
         return MixtureValue(Kind.EXPONENTIALS, x.dims, softmax_axis=x.softmax_axis,
                             logits=x.logits)
     if t is aten.exp.default and x.kind is Kind.MONOMIAL:
-        ev.check_logits(x, node.args[0], where)
+        ev.check_logits(x, arg_node(node, 0), where)
         return MixtureValue(Kind.EXPONENTIALS, x.dims, softmax_axis=None, logits=x)
     raise NoMatch(f"{where}: applied to {x.kind}")
 
@@ -276,7 +280,8 @@ def _reduce(ev: MixtureState, node: Node, where: str) -> MixtureValue:
     if x is None:
         raise NoMatch(f"{where}: reduction of a tensor outside the region")
     rank = len(x.dims)
-    dims_arg = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    dims_arg = cast("int | list[int] | None",  # the schema's ``int[1]? dim``
+                    node.args[1] if len(node.args) > 1 else node.kwargs.get("dim"))
     if dims_arg is None:
         raise NoMatch(f"{where}: reduction over every dim")
     dims_arg = dims_arg if isinstance(dims_arg, (list, tuple)) else [dims_arg]
@@ -285,16 +290,16 @@ def _reduce(ev: MixtureState, node: Node, where: str) -> MixtureValue:
     d = normalize_dim(dims_arg[0], rank)
     keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
     axis = x.dims[d]
-    dims = list(x.dims)
+    kept = list(x.dims)
     if keep:
-        dims[d] = ()
+        kept[d] = ()
     else:
-        dims.pop(d)
-    dims = tuple(dims)
+        kept.pop(d)
+    dims = tuple(kept)
     if t is aten.amax.default:
         softmax_axis = ev.softmax_axis_of(axis, where)
-        ev.check_logits(x, node.args[0], where)
-        return MixtureValue(Kind.MAX, dims, reduced=node.args[0], softmax_axis=softmax_axis,
+        ev.check_logits(x, arg_node(node, 0), where)
+        return MixtureValue(Kind.MAX, dims, reduced=arg_node(node, 0), softmax_axis=softmax_axis,
                             logits=x)
     if node.kwargs.get("dtype") is not None:
         raise NoMatch(f"{where}: reduction with a dtype")
@@ -309,7 +314,7 @@ def _reduce(ev: MixtureState, node: Node, where: str) -> MixtureValue:
             if x.softmax_axis is not None and x.softmax_axis != softmax_axis:
                 raise NoMatch(f"{where}: softmax sums over {softmax_axis} but shifted over "
                               f"{x.softmax_axis}")
-            return MixtureValue(Kind.DENOMINATOR, dims, reduced=node.args[0],
+            return MixtureValue(Kind.DENOMINATOR, dims, reduced=arg_node(node, 0),
                                 softmax_axis=softmax_axis, logits=x.logits)
         if (x.kind is Kind.WEIGHTED_SOURCES and ev.source_axis is not None
                 and axis == ev.source_axis):
@@ -327,7 +332,7 @@ def _softmax(ev: MixtureState, node: Node, where: str) -> MixtureValue:
 
 def _matmul(ev: MixtureState, node: Node, where: str) -> MixtureValue:
     t = node.target
-    bias = node.args[0] if t is aten.addmm.default else None
+    bias = arg_node(node, 0) if t is aten.addmm.default else None
     a, b = node.args[-2:] if bias is not None else node.args[:2]
     va, vb = ev.value_of(a), ev.value_of(b)
     batched = t is aten.bmm.default
@@ -382,7 +387,7 @@ def _query_dot(ev: MixtureState, va, vb, a, b, batched: bool, where: str) -> Mix
 def _mv(ev: MixtureState, node: Node, where: str) -> MixtureValue:
     """keys ``[M, H]`` @ pseudo-query ``[H]`` (``matmul`` of a matrix and a vector, before
     Inductor decomposes it: graphs traced for training)."""
-    a, v = node.args[:2]
+    a, v = cast("tuple[Node, Node]", node.args[:2])  # mv(self, vec)
     mono = ev.value_of(a)
     if mono is None or ev.value_of(v) is not None:
         raise NoMatch(f"{where}: mv of tensors outside the region, or of two region tensors")

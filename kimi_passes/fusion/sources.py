@@ -16,6 +16,9 @@ from torch.fx import Node
 
 from kimi_passes.fusion.values import (
     NoMatch,
+    arg_int,
+    arg_node,
+    arg_nodes,
     is_one,
     normalize_dim,
     numel,
@@ -60,14 +63,14 @@ def split_sources(root: Node, source_dim: int | None) -> list[SourceRun]:
     shape = shape_of(root)
     c = source_dim
     if root.target is aten.stack.default:  # traced below autograd, not yet decomposed
-        pieces = root.args[0]
-        dim = normalize_dim(root.args[1] if len(root.args) > 1 else 0, len(shape))
+        pieces = arg_nodes(root, 0)
+        dim = normalize_dim(arg_int(root, 1) if len(root.args) > 1 else 0, len(shape))
         if (c is None and len(pieces) == 1) or dim == c:
             return [SourceRun(p, single=True) for p in pieces]
     if c is None:
         base = _base_of_size1_insert(root)
         # Empty pieces (``bank[:, :0]`` before Inductor drops them from the cat) add nothing.
-        pieces = [p for p in root.args[0] if not same_size(numel(p), 0)] if (
+        pieces = [p for p in arg_nodes(root, 0) if not same_size(numel(p), 0)] if (
             root.target is aten.cat.default) else []
         if base is root and len(pieces) != 1:
             raise NoMatch(f"root {root.name}: softmax over a size-1 axis that does not come "
@@ -76,14 +79,14 @@ def split_sources(root: Node, source_dim: int | None) -> list[SourceRun]:
             base = _base_of_size1_insert(pieces[0])
         return [SourceRun(base, single=True)]
     if root.target is aten.cat.default:
-        dim = normalize_dim(root.args[1] if len(root.args) > 1 else 0, len(shape))
+        dim = normalize_dim(arg_int(root, 1) if len(root.args) > 1 else 0, len(shape))
         if dim == c:
             return _cat_pieces(root, c)
     if root.target in (aten.reshape.default, aten.view.default) and isinstance(
             root.args[0], Node) and root.args[0].target is aten.cat.default:
-        cat = root.args[0]
-        pieces = cat.args[0]
-        dim = normalize_dim(cat.args[1] if len(cat.args) > 1 else 0, len(shape_of(cat)))
+        cat = arg_node(root, 0)
+        pieces = arg_nodes(cat, 0)
+        dim = normalize_dim(arg_int(cat, 1) if len(cat.args) > 1 else 0, len(shape_of(cat)))
         P = shape_of(pieces[0])
         want = P[:dim] + (len(pieces),) + P[dim:]
         if dim == c and all(same_shape(shape_of(p), P) for p in pieces) and same_shape(
@@ -99,7 +102,7 @@ def _cat_pieces(root: Node, c: int) -> list[SourceRun]:
     """The sources of ``cat(pieces, c)``, piece by piece."""
     rank = len(shape_of(root))
     runs = []
-    for p in root.args[0]:
+    for p in arg_nodes(root, 0):
         if len(shape_of(p)) != rank:  # cat's legacy empty 1-D operand
             if same_size(numel(p), 0):
                 continue
@@ -110,15 +113,15 @@ def _cat_pieces(root: Node, c: int) -> list[SourceRun]:
         if k == 0:
             continue
         if k == 1:
-            if p.target is aten.unsqueeze.default and normalize_dim(p.args[1], rank) == c:
-                runs.append(SourceRun(p.args[0], single=True))
+            if p.target is aten.unsqueeze.default and normalize_dim(arg_int(p, 1), rank) == c:
+                runs.append(SourceRun(arg_node(p, 0), single=True))
             else:
                 runs.append(SourceRun(p, dim=c, start=0, stop=1))
             continue
-        if (p.target is aten.slice.Tensor and normalize_dim(p.args[1], rank) == c
+        if (p.target is aten.slice.Tensor and normalize_dim(arg_int(p, 1), rank) == c
                 and (len(p.args) < 5 or p.args[4] == 1)):
-            base = p.args[0]
-            start = p.args[2] if len(p.args) > 2 and p.args[2] is not None else 0
+            base = arg_node(p, 0)
+            start = arg_int(p, 2) if len(p.args) > 2 and p.args[2] is not None else 0
             start = normalize_dim(start, shape_of(base)[c]) if start < 0 else start
             runs.append(SourceRun(base, dim=c, start=start, stop=start + k))
         else:

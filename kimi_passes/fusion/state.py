@@ -8,6 +8,8 @@ every node evaluated, and, once found, the softmax's source axis and logits. The
 
 from __future__ import annotations
 
+from typing import cast
+
 from torch.fx import Node
 
 from kimi_passes.fusion.axes import check_dims
@@ -32,7 +34,7 @@ class MixtureState:
     def __init__(self, root: Node, softmax: Node, combine: Node):
         self.root, self.softmax, self.combine = root, softmax, combine
         self.sizes: dict[str, object] = {}
-        dims = []
+        dims: list[tuple[str, ...]] = []
         for i, s in enumerate(shape_of(root)):
             if is_one(s):
                 dims.append(())
@@ -92,7 +94,7 @@ class MixtureState:
     def found_probabilities(self, node: Node, x: MixtureValue, dim, where: str,
                             axis=None) -> MixtureValue:
         """``node`` is the softmax of logits ``x`` over ``dim`` (or ``axis``): the one."""
-        src = node.args[0] if dim is not None else None
+        src = cast(Node, node.args[0]) if dim is not None else None  # the logits
         if dim is not None:
             axis = self.softmax_axis_of(x.dims[normalize_dim(dim, len(x.dims))], where)
         self.check_logits(x, src if src is not None else node, where)

@@ -53,6 +53,7 @@ def mixture(bank: torch.Tensor | None, extras: list[torch.Tensor], w: torch.Tens
     for i, v in enumerate(values):
         term = p[..., n + i, None] * v
         out = term if out is None else out + term
+    assert out is not None  # no source at all fails at parts[0] above
     return out
 
 
