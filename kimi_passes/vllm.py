@@ -33,7 +33,7 @@ except ImportError as e:  # pragma: no cover - exercised in a process without vL
 try:  # vLLM from early 2026 on
     from vllm.compilation.passes.inductor_pass import InductorPass
 except ImportError:  # older vLLM
-    from vllm.compilation.inductor_pass import InductorPass  # type: ignore[no-redef]  # same class
+    from vllm.compilation.inductor_pass import InductorPass
 
 import torch
 

@@ -8,7 +8,7 @@
 - ``MixListArgs``: ``kimi::attn_res_mix_list`` (a list of sources, no bank);
 - ``MixBackwardArgs`` / ``MixListBackwardArgs``: the two backward ops: ``grad``, then the
   forward's fields (the list's but ``out_dtype``: ``grad`` has the output's dtype), then
-  which gradients to compute. Their fields are built from the forward's records.
+  which gradients to compute. Where records overlap they agree, checked at import.
 
 Each argument is spelled here only. The ops' schemas are inferred from these records
 (``record_signature``: ``torch.library`` reads an op's schema off its function's
@@ -55,11 +55,7 @@ class MixArgs(NamedTuple):
 
 
 class AttnResArgs(NamedTuple):
-    """``kimi::attn_res``'s arguments in schema order (docs/design.md section 3).
-
-    ``AttnResArgs.mix(prefix, blocks, norm_weight, qk_weight, num_blocks, eps)`` (positional
-    or by name: ``MixArgs``' fields) is ``kimi::attn_res_mix``'s call in this form; it is
-    generated from the two records, below."""
+    """``kimi::attn_res``'s arguments in schema order (docs/design.md section 3)."""
 
     prefix: torch.Tensor  # [T, H], updated in place by delta
     delta: torch.Tensor | None  # [T, H]
@@ -71,6 +67,12 @@ class AttnResArgs(NamedTuple):
     block_write_idx: int  # -1: no write
     eps: float
     output_norm_eps: float
+
+    @classmethod
+    def mix(cls, prefix, blocks, norm_weight, qk_weight, num_blocks, eps) -> AttnResArgs:
+        """``kimi::attn_res_mix``'s arguments (``MixArgs``' fields) as the pure-mixture form
+        of this record (``PURE_MIXTURE``), in one tuple: the eager mix call builds only it."""
+        return cls(prefix, None, blocks, norm_weight, qk_weight, None, num_blocks, -1, eps, 0.0)
 
     @property
     def tensors(self) -> tuple[torch.Tensor | None, ...]:
@@ -99,18 +101,6 @@ class MixListArgs(NamedTuple):
         return self[:3]
 
 
-def _fields(record, drop=()) -> list[tuple[str, object]]:
-    """``record``'s ``(name, type)`` pairs in order, but the fields named in ``drop``."""
-    hints = typing.get_type_hints(record)
-    return [(name, hints[name]) for name in record._fields if name not in drop]
-
-
-def _backward_fields(forward, needs, drop=()) -> list[tuple[str, object]]:
-    """A backward op's fields: ``grad`` (dL/d(forward output)), ``forward``'s fields but
-    ``drop``, then the bool flags ``needs`` (which gradients to compute)."""
-    return [("grad", torch.Tensor), *_fields(forward, drop), *((n, bool) for n in needs)]
-
-
 def _take(record, source, **changes):
     """A ``record`` whose fields are ``source``'s fields of the same names, or ``changes``."""
     unknown = set(changes).difference(record._fields)
@@ -120,27 +110,30 @@ def _take(record, source, **changes):
                      for name in record._fields})
 
 
-#: Where ``MixBackwardArgs`` holds the forward's arguments (after ``grad``).
-_MIX_SPAN = slice(1, 1 + len(MixArgs._fields))
-
-
-class MixBackwardArgs(NamedTuple("MixBackwardArgs", _backward_fields(
-        MixArgs, ("need_prefix", "need_blocks", "need_weights")))):
+class MixBackwardArgs(NamedTuple):
     """``kimi::attn_res_mix_backward``'s arguments in schema order: ``grad`` ``[T, H]``, the
-    forward's (``MixArgs``), and ``need_prefix``, ``need_blocks``, ``need_weights`` (the
-    gradient of ``norm_weight * qk_weight``)."""
+    forward's (``MixArgs``' fields, in its order), then which gradients to compute."""
 
-    __slots__ = ()
+    grad: torch.Tensor
+    prefix: torch.Tensor
+    blocks: torch.Tensor
+    norm_weight: torch.Tensor
+    qk_weight: torch.Tensor
+    num_blocks: int
+    eps: float
+    need_prefix: bool
+    need_blocks: bool
+    need_weights: bool  # the gradient of norm_weight * qk_weight
 
     @classmethod
     def of(cls, grad: torch.Tensor, forward: MixArgs, **needs: bool) -> MixBackwardArgs:
         """The backward's arguments for the forward call ``forward``; ``needs`` by name."""
-        return cls(grad, *forward, **needs)
+        return _take(cls, forward, grad=grad, **needs)
 
     @property
     def forward(self) -> MixArgs:
         """The forward call's arguments."""
-        return MixArgs._make(self[_MIX_SPAN])
+        return MixArgs._make(self[1:1 + len(MixArgs._fields)])
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -148,13 +141,18 @@ class MixBackwardArgs(NamedTuple("MixBackwardArgs", _backward_fields(
         return self[:5]
 
 
-class MixListBackwardArgs(NamedTuple("MixListBackwardArgs", _backward_fields(
-        MixListArgs, ("need_sources", "need_weights"), drop=("out_dtype",)))):
+class MixListBackwardArgs(NamedTuple):
     """``kimi::attn_res_mix_list_backward``'s arguments in schema order: ``grad`` (the
-    sources' shape), the forward's (``MixListArgs``) but ``out_dtype``, and
-    ``need_sources``, ``need_weights`` (the gradient of ``norm_weight * qk_weight``)."""
+    sources' shape), the forward's (``MixListArgs``' fields but ``out_dtype``: ``grad`` has
+    the output's dtype), then which gradients to compute."""
 
-    __slots__ = ()
+    grad: torch.Tensor
+    sources: list[torch.Tensor]
+    norm_weight: torch.Tensor | None
+    qk_weight: torch.Tensor
+    eps: float
+    need_sources: bool
+    need_weights: bool  # the gradient of norm_weight * qk_weight
 
     @classmethod
     def of(cls, grad: torch.Tensor, forward: MixListArgs,
@@ -173,32 +171,22 @@ class MixListBackwardArgs(NamedTuple("MixListBackwardArgs", _backward_fields(
         return self[:4]
 
 
-def _pure_mixture_form():
-    """``AttnResArgs.mix``: a classmethod taking ``MixArgs``' fields (by position or by
-    name) that returns the ``AttnResArgs`` of the pure mixture (``PURE_MIXTURE``) in one
-    tuple. Its source is generated from the two records' fields, as ``namedtuple``
-    generates its ``__new__``: an eager ``attn_res_mix`` call builds this record only, not
-    a ``MixArgs`` first."""
-    hints, mix_hints = typing.get_type_hints(AttnResArgs), typing.get_type_hints(MixArgs)
-    if (set(mix_hints) | set(PURE_MIXTURE) != set(hints) or set(mix_hints) & set(PURE_MIXTURE)
-            or any(hints[name] != hint for name, hint in mix_hints.items())):
-        raise TypeError("MixArgs' fields must be AttnResArgs' fields but PURE_MIXTURE's, "
-                        "with the same types")
-    value = {name: name for name in MixArgs._fields}
-    value.update((name, repr(v)) for name, v in PURE_MIXTURE.items())
-    source = (f"def mix(cls, {', '.join(MixArgs._fields)}):\n"
-              f"    return cls({', '.join(value[name] for name in AttnResArgs._fields)})\n")
-    namespace: dict = {}
-    exec(source, namespace)  # the text above: field names and PURE_MIXTURE's reprs
-    mix = namespace["mix"]
-    mix.__qualname__ = "AttnResArgs.mix"
-    mix.__module__ = __name__
-    mix.__doc__ = ("``kimi::attn_res_mix``'s arguments (``MixArgs``' fields) as the "
-                   "pure-mixture form of the record (``PURE_MIXTURE``).")
-    return classmethod(mix)
+def _check_records() -> None:
+    """The records agree where they overlap: a backward holds its forward's fields in the
+    forward's order and types, and ``MixArgs`` is ``AttnResArgs`` but ``PURE_MIXTURE``."""
+    def fields(record, drop=()):
+        hints = typing.get_type_hints(record)
+        return [(n, hints[n]) for n in record._fields if n not in drop]
+
+    pairs = [(fields(MixBackwardArgs)[1:1 + len(MixArgs._fields)], fields(MixArgs)),
+             (fields(MixListBackwardArgs)[1:5], fields(MixListArgs, drop=("out_dtype",))),
+             (fields(AttnResArgs, drop=tuple(PURE_MIXTURE)), fields(MixArgs))]
+    for got, want in pairs:
+        if got != want:
+            raise TypeError(f"ops/attn_res_args.py: records disagree: {got} != {want}")
 
 
-AttnResArgs.mix = _pure_mixture_form()
+_check_records()
 
 
 def record_signature(record, returns):

@@ -139,7 +139,7 @@ def attn_res_mix_list_backward_torch(b: MixListBackwardArgs):
     flat = [s.reshape(-1, H) for s in sources]
     dsources = [torch.empty_like(s, memory_format=torch.contiguous_format)
                 for s in sources] if b.need_sources else []
-    dflat = [d.view(-1, H) for d in dsources] or [None] * len(sources)
+    dflat: list[torch.Tensor | None] = [d.view(-1, H) for d in dsources] or [None] * len(sources)
     dw = torch.zeros(q.shape, dtype=cdt, device=q.device) if b.need_weights else None
     mix_backward_rows(b.grad.reshape(-1, H), flat, q, b.eps, dflat, dw)
     return dsources, _or_empty(dw, sources[0])

@@ -258,9 +258,9 @@ def test_adapter_object():
     p = aux_stream_pass("prefix", fuse_capture=False)
     assert isinstance(p, InductorPass)
     assert p.uuid() == pass_manager(aux_stream="prefix", fuse_capture=False).uuid()
-    assert len({aux_stream_pass(s, fuse_capture=f, fuse_torch_mixing=m).uuid()
+    assert len({aux_stream_pass(s, fuse_capture=f, fuse_torch_mixing=m, lower_kimi_ops=lo).uuid()
                 for s in ("attn_res", "prefix") for f in (True, False)
-                for m in (True, False)}) == 8
+                for m in (True, False) for lo in (True, False)}) == 16
     assert p.is_applicable_for_range(None) and p.is_applicable_for_shape(None)
     q = copy.deepcopy(p)  # vLLM deep-copies its config
     assert isinstance(q, KimiVllmPass) and q is not p and q.manager is not p.manager

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -138,7 +139,8 @@ def _inductor_again(gm, example_inputs):
 def run(names, tokens, dynamic: bool, timer: CpuTimer, out=sys.stdout,
         device: str = "cpu", control: bool = False) -> list[dict]:
     rows = []
-    backends = {"kimi": make_kimi_backend(), "kimi-ops": make_kimi_backend(lower_kimi_ops=False)}
+    backends: dict[str, Callable] = {"kimi": make_kimi_backend(),
+                                     "kimi-ops": make_kimi_backend(lower_kimi_ops=False)}
     if control:
         backends["control"] = _inductor_again
     compiled_models: dict = {}

@@ -170,6 +170,7 @@ def run(name, build, args) -> None:
         print(f"  outputs and gradients vs eager (max |diff| / max |eager|): kimi_backend "
               f"{kimi_err:.1e}, plain Inductor {plain_err:.1e}")
         assert kimi_err <= 2 * plain_err + 1e-5, (kimi_err, plain_err)
+        assert kimi.pre_autograd is not None  # fuse_torch_mixing is on (the default)
         fusion = kimi.pre_autograd.get(AttnResFusionPass)
     else:
         torch.testing.assert_close(first_tensor(got), first_tensor(ref), atol=2e-3, rtol=2e-3)
