@@ -252,6 +252,7 @@ def _vllm_amd_kernel():
     tmp = Path(tempfile.mkdtemp()) / "vllm_amd_attn_res.py"
     tmp.write_text(text)
     mod_spec = importlib.util.spec_from_file_location("vllm_amd_attn_res", tmp)
+    assert mod_spec is not None and mod_spec.loader is not None  # a .py file we just wrote
     module = importlib.util.module_from_spec(mod_spec)
     mod_spec.loader.exec_module(module)
     return module._attn_res_kernel

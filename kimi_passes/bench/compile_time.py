@@ -15,6 +15,7 @@ import contextlib
 import copy
 import time
 from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -70,8 +71,8 @@ def _timed_backend(aux_stream="attn_res", abort=False, keep_graph=True):
     from kimi_passes.passes.manager import PassObserver
 
     backend = make_kimi_backend(aux_stream=aux_stream)
-    rec = {"pass_s": 0.0, "calls": 0, "graph": None, "nodes": 0, "copy_s": 0.0,
-           "backend_s": 0.0}
+    rec: dict[str, Any] = {"pass_s": 0.0, "calls": 0, "graph": None, "nodes": 0,
+                           "copy_s": 0.0, "backend_s": 0.0}
 
     class Timing(PassObserver):
         def before_passes(self, graph):

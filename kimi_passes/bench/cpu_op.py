@@ -43,7 +43,7 @@ def measure(fns, args, budget_s, min_reps, threads):
     for t in timers:
         once = t.timeit(1).median  # the first call also warms up
         numbers.append(max(1, int(0.02 / max(once, 1e-6))))
-    samples = [[] for _ in fns]
+    samples: list[list[benchmark.Measurement]] = [[] for _ in fns]
     t_end = time.perf_counter() + budget_s
     while len(samples[0]) < min_reps or time.perf_counter() < t_end:
         for i, t in enumerate(timers):

@@ -111,6 +111,9 @@ def _cases(names, tokens):
                 ids = torch.randint(0, 1024, (b, s), generator=g)
                 yield name, f"[{b}, {s}]", model, model, (ids,)
             continue
+        base: torch.nn.Module
+        cand: torch.nn.Module
+        inputs: tuple[torch.Tensor, ...]
         if name == "site":
             base = cand = Site()
         elif name == "k3-op":

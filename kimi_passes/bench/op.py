@@ -99,6 +99,7 @@ def _vllm_peer():
     """The vendored module, loaded once: a fresh load per cell would be a fresh
     ``triton.jit`` function, compiled again for every cell of the sweep."""
     spec = importlib.util.spec_from_file_location("vllm_k3_attn_res", VLLM_PEER)
+    assert spec is not None and spec.loader is not None  # a .py file of this checkout
     peer = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(peer)
     return peer

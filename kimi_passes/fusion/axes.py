@@ -16,13 +16,12 @@ from torch.fx import Node
 
 from kimi_passes.fusion.values import (
     NoMatch,
-    arg_int,
     is_one,
     normalize_dim,
     same_size,
     shape_of,
 )
-from kimi_passes.passes.fx_toolkit import COPIES
+from kimi_passes.passes.fx_toolkit import COPIES, arg_int
 
 aten = torch.ops.aten
 

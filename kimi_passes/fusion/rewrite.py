@@ -109,8 +109,8 @@ class _Emitter:
         if not nodes:
             return static
         out = nodes[0]
-        for n in nodes[1:]:
-            out = self(operator.mul, out, n)
+        for node in nodes[1:]:
+            out = self(operator.mul, out, node)
         return out if static == 1 else self(operator.mul, out, static)
 
     def _sym(self, size: torch.SymInt) -> Node:

@@ -16,9 +16,6 @@ from torch.fx import Node
 
 from kimi_passes.fusion.values import (
     NoMatch,
-    arg_int,
-    arg_node,
-    arg_nodes,
     is_one,
     normalize_dim,
     numel,
@@ -26,6 +23,7 @@ from kimi_passes.fusion.values import (
     same_size,
     shape_of,
 )
+from kimi_passes.passes.fx_toolkit import arg_int, arg_node, arg_nodes
 
 aten = torch.ops.aten
 

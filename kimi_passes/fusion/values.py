@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import Enum
-from typing import cast
 
 import torch
 from torch.fx import Node
@@ -73,21 +72,6 @@ def normalize_dim(d: int, rank: int) -> int:
 # -- FX arguments -----------------------------------------------------------------------------
 # ``Node.args`` entries are typed as any FX argument; the op's schema says which one each
 # is. These read an argument as that type (no check, no conversion: ``node.args[i]``).
-
-
-def arg_node(node: Node, i: int) -> Node:
-    """``node.args[i]``, a tensor argument (a node of the graph)."""
-    return cast(Node, node.args[i])
-
-
-def arg_nodes(node: Node, i: int) -> list[Node]:
-    """``node.args[i]``, a tensor-list argument (``cat``'s and ``stack``'s tensors)."""
-    return cast("list[Node]", node.args[i])
-
-
-def arg_int(node: Node, i: int) -> int:
-    """``node.args[i]``, an int argument (a dim, a slice bound)."""
-    return cast(int, node.args[i])
 
 
 # -- abstract values --------------------------------------------------------------------------

@@ -184,5 +184,8 @@ def attn_res_mix_list_backward(*args, **kwargs):
                     for j, (v, s) in enumerate(zip(values, sources, strict=True))]
     dw = sources[0].new_empty((0,))
     if b.need_weights:
-        dw = sum((a[..., j, None] * v).reshape(-1, H).sum(0) for j, v in enumerate(values))
+        terms = [(a[..., j, None] * v).reshape(-1, H).sum(0) for j, v in enumerate(values)]
+        dw = terms[0]
+        for term in terms[1:]:  # in source order, as sum() adds them
+            dw = dw + term
     return dsources, dw

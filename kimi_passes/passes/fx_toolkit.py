@@ -1,6 +1,7 @@
 """What the kimi passes share for reading and editing post-grad FX graphs.
 
-Reading: ``dtype_of``, ``is_widening`` (the float precision ranks), ``root`` (through
+Reading: ``arg_node`` / ``arg_nodes`` / ``arg_int`` (an argument as the type the op's
+schema gives it), ``dtype_of``, ``is_widening`` (the float precision ranks), ``root`` (through
 copies), ``same_sum`` (two nodes computing one ``x + y``), ``kimi_op`` (the kimi op a
 node calls, directly or inside ``auto_functionalized``), ``calls_to`` (indexed lookup,
 no scan of the whole graph).
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable
-from typing import TypeGuard
+from typing import TypeGuard, cast
 
 import torch
 from torch._higher_order_ops.auto_functionalize import (
@@ -46,6 +47,21 @@ INPUT_CONSTRAINTS = "eager_input_vals"
 
 
 # -- reading ----------------------------------------------------------------------------------
+
+
+def arg_node(node: Node, i: int) -> Node:
+    """``node.args[i]``, a tensor argument (a node of the graph)."""
+    return cast(Node, node.args[i])
+
+
+def arg_nodes(node: Node, i: int) -> list[Node]:
+    """``node.args[i]``, a tensor-list argument (``cat``'s and ``stack``'s tensors)."""
+    return cast("list[Node]", node.args[i])
+
+
+def arg_int(node: Node, i: int) -> int:
+    """``node.args[i]``, an int argument (a dim, a slice bound)."""
+    return cast(int, node.args[i])
 
 
 def dtype_of(node) -> torch.dtype | None:

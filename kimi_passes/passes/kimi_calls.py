@@ -20,7 +20,14 @@ from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
 from torch.fx import Node
 
 from kimi_passes.ops.conventions import MUTATED_ARGS
-from kimi_passes.passes.fx_toolkit import calls_to, functional_calls, getitem, kimi_op
+from kimi_passes.passes.fx_toolkit import (
+    arg_int,
+    arg_node,
+    calls_to,
+    functional_calls,
+    getitem,
+    kimi_op,
+)
 
 kimi = torch.ops.kimi
 
@@ -100,8 +107,7 @@ class AttnResCall:
 
 def tap_args(tap: Node) -> tuple[Node, int]:
     """A ``kimi.aux_tap`` node's tapped value and capture id."""
-    value, capture_id = tap.args
-    return cast(Node, value), cast(int, capture_id)
+    return arg_node(tap, 0), arg_int(tap, 1)
 
 
 def attn_res_calls(graph: torch.fx.Graph) -> list[AttnResCall]:
