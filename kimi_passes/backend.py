@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch._dynamo.exc import BackendCompilerFailed
 
+from kimi_passes.config.drafter import DrafterTaps
 from kimi_passes.config.pass_config import KimiPassConfig
 from kimi_passes.errors import AuxCaptureError
 from kimi_passes.passes.fx_toolkit import calls_to
@@ -70,7 +71,7 @@ class KimiBackend:
         return self.config.aux_stream
 
     @property
-    def drafter(self):
+    def drafter(self) -> DrafterTaps | None:
         return self.config.drafter
 
     @property
