@@ -34,6 +34,9 @@ def pass_manager(config: KimiPassConfig | None = None, /, *,
     """
     if config is None:
         config = KimiPassConfig.build(**options)
+    elif not isinstance(config, KimiPassConfig):
+        raise TypeError(f"kimi_passes: expected a KimiPassConfig, got {config!r}; pass options "
+                        "by name (aux_stream='prefix', ...) or KimiPassConfig.build(...)")
     elif options:
         raise TypeError(f"pass_manager: give a KimiPassConfig or options, not both "
                         f"({sorted(options)})")

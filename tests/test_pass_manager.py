@@ -102,3 +102,18 @@ def test_a_pass_without_run_says_so():
 
     with pytest.raises(NotImplementedError, match="Empty does not implement run"):
         Empty()(small_graph())
+
+
+def test_the_record_is_the_only_positional_argument():
+    """``pass_manager`` / ``KimiBackend`` take a ``KimiPassConfig`` positionally (a stream
+    given there, as ``AuxStreamPass`` takes it, is refused by name), or options by name."""
+    from kimi_passes import KimiBackend, KimiPassConfig
+
+    for make in (pass_manager, KimiBackend):
+        with pytest.raises(TypeError, match="expected a KimiPassConfig, got 'prefix'"):
+            make("prefix")
+        with pytest.raises(TypeError, match="not both"):
+            make(KimiPassConfig(), aux_stream="prefix")
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['fuse'\]"):
+        pass_manager(fuse=False)
+    assert pass_manager(KimiPassConfig(aux_stream="prefix")).config.aux_stream == "prefix"
