@@ -98,11 +98,11 @@ def _diagnose(a: AttnResArgs) -> None:
                 f"kimi attn_res: hidden size mismatch: {name} has H={t.shape[-1]} "
                 f"(shape {tuple(t.shape)}) but prefix has H={H}"
             )
-    for name, t in (("delta", delta), ("blocks", blocks)):  # type: ignore[assignment]  # t: Tensor | None here
-        if t is not None and t.shape[0] != T:
+    for name, part in (("delta", delta), ("blocks", blocks)):
+        if part is not None and part.shape[0] != T:
             _fail(
-                f"kimi attn_res: token count mismatch: {name} has T={t.shape[0]} "
-                f"(shape {tuple(t.shape)}) but prefix has T={T}"
+                f"kimi attn_res: token count mismatch: {name} has T={part.shape[0]} "
+                f"(shape {tuple(part.shape)}) but prefix has T={T}"
             )
     nb_total = blocks.shape[1]
     num_blocks, block_write_idx = a.num_blocks, a.block_write_idx

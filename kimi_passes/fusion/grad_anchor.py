@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch.fx import Graph, Node
 
+from kimi_passes.ops.attn_res_args import MixArgs, MixListArgs
 from kimi_passes.passes.base import logger
 from kimi_passes.passes.fx_toolkit import call_function, dtype_of
 
@@ -25,8 +26,11 @@ kimi = torch.ops.kimi
 #: Node meta key on graph inputs: does the input require grad (set by ``training.trace``;
 #: fake values traced below autograd do not keep the flag).
 REQUIRES_GRAD = "requires_grad"
-#: The fused ops and the position of their pseudo-query argument.
-_QUERY_ARG: dict[object, int] = {kimi.attn_res_mix.default: 3, kimi.attn_res_mix_list.default: 2}
+#: The fused ops and the position of their pseudo-query argument (from the ops' records).
+_QUERY_ARG: dict[object, int] = {
+    op: record._fields.index("qk_weight")
+    for op, record in ((kimi.attn_res_mix.default, MixArgs),
+                       (kimi.attn_res_mix_list.default, MixListArgs))}
 
 
 def requires_grad(node: Node) -> bool:

@@ -4,8 +4,8 @@ In the functional post-grad graph a mutating ``kimi.attn_res`` call is an
 ``auto_functionalized`` (v1) or ``auto_functionalized_v2`` node. ``AttnResCall``
 hides the difference: it names the call's prefix, delta, blocks, weights and
 int arguments, and where its outputs (the op's return, then the mutated bases)
-are read. ``layer_index`` names the decoder layer a node was traced in;
-``on_cpu`` tells where a kimi call runs. The aux-stream rewrite, the fusion, the
+are read. ``layer_index`` names the decoder layer a node was traced in; ``on_cpu`` and
+``has_cpu_kimi_call`` tell where kimi calls run. The aux-stream rewrite, the fusion, the
 lowering and the backend read calls through this module only.
 """
 
@@ -129,7 +129,6 @@ def on_cpu(node: Node) -> bool:
     return False
 
 
-def cpu_kimi_calls(graph: torch.fx.Graph) -> list[Node]:
-    """Every kimi op call of ``graph`` on CPU tensors (markers excepted), in graph order."""
-    return [n for n in graph.nodes
-            if kimi_op(n) not in (None, AUX_TAP) and on_cpu(n)]
+def has_cpu_kimi_call(graph: torch.fx.Graph) -> bool:
+    """Does ``graph`` call a kimi op (a marker aside) on CPU tensors?"""
+    return any(kimi_op(n) not in (None, AUX_TAP) and on_cpu(n) for n in graph.nodes)

@@ -61,7 +61,7 @@ from kimi_passes.passes.kimi_calls import (
     AUX_TAP,
     AttnResCall,
     attn_res_calls,
-    cpu_kimi_calls,
+    has_cpu_kimi_call,
     mix_nodes,
     tap_args,
 )
@@ -138,8 +138,8 @@ class AuxStreamPass(KimiGraphPass):
     def run(self, graph: torch.fx.Graph) -> list[str]:
         check_host_key(self)
         lines = self._rewrite_taps(graph)
-        if _installed_alone(self) and cpu_kimi_calls(graph):
-            _warn_alone_once()
+        if not _warned_alone and _installed_alone(self) and has_cpu_kimi_call(graph):
+            _warn_alone()
         return lines
 
     def _rewrite_taps(self, graph: torch.fx.Graph) -> list[str]:
@@ -201,7 +201,7 @@ class AuxStreamPass(KimiGraphPass):
         return mix, False
 
 
-#: Whether the warning of ``_warn_alone_once`` was given (once per process).
+#: Whether ``_warn_alone`` has warned (once per process).
 _warned_alone = False
 
 
@@ -211,11 +211,9 @@ def _installed_alone(pass_: AuxStreamPass) -> bool:
     return host is pass_ or (isinstance(host, (list, tuple)) and any(h is pass_ for h in host))
 
 
-def _warn_alone_once() -> None:
+def _warn_alone() -> None:
     """The pass alone rewrites taps only: on CPU the kimi calls stay op calls."""
     global _warned_alone
-    if _warned_alone:
-        return
     _warned_alone = True
     warnings.warn(
         "kimi_passes: AuxStreamPass installed alone as post_grad_custom_post_pass rewrites "
