@@ -1,0 +1,131 @@
+"""vLLM's own Kimi K3 forward through ``kimi::attn_res``: the ``vllm.general_plugins`` route.
+
+vLLM 0.33.0 serves K3 with a module-level Python function ``attn_res`` (a Triton launch;
+on SM100 with H=7168 vLLM's compiled ``torch.ops._C.kimi_k3_attn_res``), imported by name
+into ``vllm/models/kimi_k3/nvidia/model.py`` and (the ROCm path, with a ``quant_dtype=``
+keyword) ``vllm/models/kimi_k3/amd/linear.py``. Its signature and semantics are
+``kimi::attn_res``'s, argument for argument: ``prefix += delta`` in place (rounded to the
+dtype), ``blocks[:, block_write_idx] = prefix`` in place, the mixture over
+``blocks[:, :num_blocks]`` and the prefix, then the optional output norm. The kimi passes
+see only kimi ops, so the K3 forward must call the op for the aux captures to be found.
+
+``register`` (the ``vllm.general_plugins`` entry point ``kimi_passes``, which vLLM calls
+in every process it starts) rebinds those module-level names to ``vllm_attn_res`` /
+``vllm_attn_res_amd``, thin calls of ``torch.ops.kimi.attn_res``, **only when kimi_passes
+is enabled for vLLM: ``$KIMI_PASSES_AUX_STREAM`` set** (``attn_res`` or ``prefix``, the
+stream the ``kimi`` backend serves; a bad value raises, vLLM then stops). Unset, it
+imports nothing and changes nothing. vLLM's files are never edited: the names are
+rebound in the imported modules, which look ``attn_res`` up at call time.
+
+The entry point exists once the package's metadata does: after ``pip install -e .`` (or a
+wheel). Without the metadata, ``route_attn_res()`` does the same from Python.
+
+Not routed: ``quant_dtype`` (the ROCm path's FP8 output) raises, naming this route;
+sequence parallelism's aux states (``cat``, all-gathered and split) are out of scope.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+
+import torch
+
+import kimi_passes.ops  # noqa: F401  (registers torch.ops.kimi)
+from kimi_passes.config.stream import ENV_VAR, resolve_aux_stream
+
+log = logging.getLogger(__name__)
+
+#: vLLM's K3 modules that import ``attn_res`` by name, and the function each gets.
+NVIDIA_MODULES = ("vllm.models.kimi_k3.nvidia.model", "vllm.models.kimi_k3.nvidia.ops")
+AMD_MODULES = ("vllm.models.kimi_k3.amd.linear",)
+
+
+def vllm_attn_res(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
+                  num_blocks, block_write_idx, eps, output_norm_eps):
+    """vLLM's NVIDIA ``attn_res`` (same signature and effects) as ``kimi::attn_res``."""
+    return torch.ops.kimi.attn_res(prefix, delta, blocks, norm_weight, qk_weight,
+                                   output_norm_weight, num_blocks, block_write_idx, eps,
+                                   output_norm_eps)
+
+
+def vllm_attn_res_amd(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
+                      num_blocks, block_write_idx, eps, output_norm_eps, *,
+                      quant_dtype=None):
+    """vLLM's ROCm ``attn_res`` as ``kimi::attn_res``; ``quant_dtype`` is refused."""
+    if quant_dtype is not None:
+        raise NotImplementedError(
+            f"kimi_passes: vLLM's ROCm K3 attn_res was called with quant_dtype={quant_dtype} "
+            "(the FP8 output fused for the next GEMM), which the kimi_passes vLLM route "
+            f"(${ENV_VAR} set: kimi_passes.vllm_k3) does not carry. Serve an unquantized "
+            f"attention/MLP input, or unset ${ENV_VAR} to run vLLM's own kernel")
+    return vllm_attn_res(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
+                         num_blocks, block_write_idx, eps, output_norm_eps)
+
+
+#: The functions the route installs, by module.
+ROUTES = {**dict.fromkeys(NVIDIA_MODULES, vllm_attn_res),
+          **dict.fromkeys(AMD_MODULES, vllm_attn_res_amd)}
+#: vLLM's own functions, by module, while routed (``unroute_attn_res`` puts them back).
+_originals: dict[str, object] = {}
+
+
+def route_attn_res() -> list[str]:
+    """Rebind ``attn_res`` in every imported vLLM K3 module; returns the modules routed.
+
+    A module imported later is not routed: ``register`` imports the platform's K3
+    package first.
+    """
+    routed = []
+    for name, fn in ROUTES.items():
+        module = sys.modules.get(name)
+        if module is None:
+            continue
+        current = getattr(module, "attn_res", None)
+        if current is None:
+            raise RuntimeError(
+                f"kimi_passes: {name} has no module-level attn_res: this vLLM's K3 is not "
+                "the one the route was written for (vLLM 0.33.0); unset "
+                f"${ENV_VAR} to serve it without kimi_passes")
+        if current is not fn:
+            _originals.setdefault(name, current)
+            module.attn_res = fn
+        routed.append(name)
+    return routed
+
+
+def unroute_attn_res() -> None:
+    """Put vLLM's own ``attn_res`` back wherever ``route_attn_res`` replaced it."""
+    for name, fn in list(_originals.items()):
+        sys.modules[name].attn_res = fn
+        del _originals[name]
+
+
+def enabled() -> bool:
+    """Whether kimi_passes is enabled for vLLM in this process: ``$KIMI_PASSES_AUX_STREAM``."""
+    if not os.environ.get(ENV_VAR):
+        return False
+    resolve_aux_stream()  # a bad value is an error here, before vLLM builds anything
+    return True
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: route K3's ``attn_res`` when enabled."""
+    if not enabled():
+        return
+    # The package picks the platform's implementation (NVIDIA, or ROCm's amd.linear).
+    importlib.import_module("vllm.models.kimi_k3")
+    routed = route_attn_res()
+    if not routed:
+        raise RuntimeError(
+            f"kimi_passes: ${ENV_VAR} is set but no vLLM K3 module with attn_res was "
+            f"imported (looked for {list(ROUTES)}); unset ${ENV_VAR} on a platform "
+            "without vLLM's K3 (TPU)")
+    log.info("kimi_passes: vLLM's K3 attn_res runs as kimi::attn_res in %s (%s=%s)",
+             routed, ENV_VAR, os.environ[ENV_VAR])
+
+
+__all__ = ["register", "route_attn_res", "unroute_attn_res", "vllm_attn_res",
+           "vllm_attn_res_amd"]

@@ -1,0 +1,267 @@
+"""vLLM 0.33.0's own Kimi K3 forward, as installed, compiled with the kimi passes (CPU).
+
+The installed NVIDIA (``nvidia/model.py``) and ROCm (``amd/linear.py``) forward code runs
+unmodified (tests/vllm_k3_harness.py names the stand-ins: attention, the MoE/MLP, the
+embedding, the norm/projection weight holders, the PP group, and vLLM's GPU-only Triton
+import). vLLM's ``attn_res`` reaches the graph the way users get it: the
+``vllm.general_plugins`` entry point ``kimi_passes`` (``kimi_passes.vllm_k3``), loaded by
+vLLM's own ``load_general_plugins`` with ``$KIMI_PASSES_AUX_STREAM`` set.
+
+The truth, for every aux state: the installed NVIDIA code's own eager output with
+``VLLM_KIMI_K3_AUX_ATTN_RES_STREAM=1`` for the same weights (its capture k is layer k's
+pre-norm AttnRes mixture, L's the output aggregation's), at the op's tolerance. The
+compiled graphs: with ``kimi_backend``, and as vLLM compiles K3 in
+``CompilationMode.STOCK_TORCH_COMPILE`` (``init_backend``, then
+``model.compile(fullgraph=True, backend="kimi")``), the stream from the environment. One
+dynamic compile serves T = 8, 300 and 1. Capture ids 0, 2 (a block-write layer's, a block
+boundary), 3, 5 and L = 6. The flag-on graph makes no more mixing calls than the
+flag-off graph.
+
+Profiles: the default runs a sample of the matrix; ``KIMI_PASSES_VLLM_K3_PROFILE=full``
+runs every vendor x dtype x flag (docs/testing.md).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import sys
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:  # test_vllm_required.py fails on CI then
+    pytest.skip("vLLM is not installed (bash tools/install_vllm.sh installs it)",
+                allow_module_level=True)
+
+import torch  # noqa: E402
+import vllm_k3_harness as h  # noqa: E402
+from op_helpers import OP_TOL  # noqa: E402
+
+import kimi_passes  # noqa: E402
+import kimi_passes.vllm_k3 as route  # noqa: E402
+from kimi_passes.config.stream import ENV_VAR  # noqa: E402
+from kimi_passes.passes.manager import PassObserver  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("aten_fallback")]
+
+FULL = os.environ.get("KIMI_PASSES_VLLM_K3_PROFILE") == "full"
+SPEC = h.Spec()  # 6 layers, H=64, blocks of 2 (layers 0, 2, 4 write a block)
+CAPTURE = (0, 2, 3, 5, 6)
+TS = (8, 300, 1)  # one dynamic compile, T = 1 last (it must not recompile)
+DRAFT = {"eagle_aux_hidden_state_layer_ids": list(CAPTURE)}
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def entry_point():
+    """Our ``vllm.general_plugins`` entry point, as pyproject.toml declares it."""
+    import importlib.metadata as md
+
+    text = (ROOT / "pyproject.toml").read_text()  # tomllib is 3.11+; the section is one line
+    found = re.search(r'\[project\.entry-points\."vllm\.general_plugins"\]\n'
+                      r'(\w+) = "([\w.:]+)"\n', text)
+    assert found, "pyproject.toml declares no vllm.general_plugins entry point"
+    name, value = found.groups()
+    return md.EntryPoint(name=name, value=value, group="vllm.general_plugins")
+
+
+def load_vllm_plugins(env: str | None) -> None:
+    """vLLM's ``load_general_plugins`` in a process whose metadata holds our entry point.
+
+    (The editable install's metadata holds it after ``pip install -e .``; here it is
+    added to what ``importlib.metadata.entry_points`` answers.)
+    """
+    import importlib.metadata as md
+
+    import vllm.plugins as vp
+
+    real = md.entry_points
+
+    def entry_points(**kw):
+        if kw.get("group") == vp.DEFAULT_PLUGINS_GROUP:
+            return md.EntryPoints([*real(**kw), entry_point()])
+        return real(**kw)
+
+    environ = {} if env is None else {ENV_VAR: env}
+    with mock.patch.object(md, "entry_points", entry_points), \
+            mock.patch.object(vp, "plugins_loaded", False), \
+            mock.patch.dict(os.environ, environ):
+        if env is None:
+            os.environ.pop(ENV_VAR, None)
+        vp.load_general_plugins()
+
+
+@pytest.fixture
+def routed():
+    """vLLM's K3 ``attn_res`` routed as a user's vLLM process routes it."""
+    load_vllm_plugins("attn_res")
+    yield
+    route.unroute_attn_res()
+
+
+_truth: dict = {}
+
+
+def truth(dtype, T):
+    """The installed NVIDIA code's flag-on eager aux states (routed; see the kernel test)."""
+    key = (dtype, T)
+    if key not in _truth:
+        with h.flag(True):
+            model = h.build(SPEC, h.weights(SPEC, dtype), CAPTURE)
+            _truth[key] = h.aux_of(h.call(model, h.token_ids(SPEC, T)))
+    return _truth[key]
+
+
+def assert_aux(got, want, dtype, what):
+    assert len(got) == len(want), f"{what}: {len(got)} aux states, want {len(want)}"
+    tol = OP_TOL[dtype]
+    for cid, g, w in zip(CAPTURE, got, want, strict=True):
+        torch.testing.assert_close(
+            g, w, atol=tol, rtol=tol,
+            msg=lambda m, cid=cid: f"{what}: capture {cid} is not vLLM's flag-on value: {m}")
+
+
+class MixingCalls(PassObserver):
+    """The kimi AttnRes calls (``attn_res``, ``_capture``, ``_mix``) after the passes."""
+
+    def __init__(self):
+        self.counts: list[int] = []
+
+    def after_passes(self, graph, seconds):
+        self.counts.append(h.count_attn_res(graph))
+
+
+def run_ts(model, dtype, what, compiles=None):
+    for T in TS:
+        out = h.call(model, h.token_ids(SPEC, T), dynamic=True)
+        assert_aux(h.aux_of(out), truth(dtype, T), dtype, f"{what}, T={T}")
+    if compiles is not None:
+        assert compiles == [1], f"{what}: {compiles[0]} compiles for T={TS}, want one"
+
+
+def test_vllm_k3_plugin_routes_attn_res_only_when_enabled():
+    nvidia, amd = h.vllm_modules()
+    own = (nvidia.attn_res, amd.attn_res)
+    assert own[0].__module__ == "vllm.models.kimi_k3.nvidia.ops.attn_res"
+    load_vllm_plugins(None)  # a vLLM user who did not enable kimi_passes: nothing changes
+    assert (nvidia.attn_res, amd.attn_res) == own
+    try:
+        load_vllm_plugins("prefix")
+        assert nvidia.attn_res is route.vllm_attn_res
+        assert sys.modules["vllm.models.kimi_k3.nvidia.ops"].attn_res is route.vllm_attn_res
+        assert amd.attn_res is route.vllm_attn_res_amd
+        x = torch.zeros(2, SPEC.hidden)
+        blocks, w = torch.zeros(2, 1, SPEC.hidden), torch.ones(SPEC.hidden)
+        with pytest.raises(NotImplementedError, match=f"quant_dtype.*{ENV_VAR}"):
+            amd.attn_res(x, None, blocks, w, w, None, 0, -1, 1e-6, 0.0,
+                         quant_dtype=torch.float8_e4m3fn)
+    finally:
+        route.unroute_attn_res()
+    assert (nvidia.attn_res, amd.attn_res) == own
+    with pytest.raises(ValueError, match=f"unknown aux stream 'attn-res' from \\${ENV_VAR}"):
+        load_vllm_plugins("attn-res")
+    assert (nvidia.attn_res, amd.attn_res) == own
+
+
+def test_vllm_k3_route_is_vllms_own_kernel(routed):
+    """The route (``kimi::attn_res``) against vLLM's own Triton ``attn_res`` (interpreted),
+    on the installed NVIDIA forward, flag on: every aux state and the output."""
+    T, dtype = 2, torch.float32  # the interpreter runs each of 17 launches row by row
+    ids = h.token_ids(SPEC, T)
+    with h.flag(True):
+        model = h.build(SPEC, h.weights(SPEC), CAPTURE)
+        routed_out = h.call(model, ids)
+        with h.vllm_kernel():
+            own_out = h.call(model, ids)
+    tol = OP_TOL[dtype]
+    torch.testing.assert_close(routed_out[0], own_out[0], atol=tol, rtol=tol)
+    assert_aux(h.aux_of(routed_out), h.aux_of(own_out), dtype, "routed vs vLLM's kernel")
+
+
+@pytest.mark.heavy
+def test_vllm_k3_nvidia_as_vllm_stock_torch_compile_flag_off_and_on(routed, monkeypatch):
+    """``CompilationMode.STOCK_TORCH_COMPILE`` with ``backend="kimi"``: vLLM resolves the
+    backend (``init_backend``) and compiles the model as its GPU model runner does; the
+    stream is ``$KIMI_PASSES_AUX_STREAM`` (set, as the route needs)."""
+    from vllm.config import CompilationConfig, CompilationMode, VllmConfig
+
+    import kimi_passes.backend
+    from kimi_passes import pipeline
+
+    monkeypatch.setenv(ENV_VAR, "attn_res")
+    cc = CompilationConfig(mode=CompilationMode.STOCK_TORCH_COMPILE, backend="kimi")
+    backend = cc.init_backend(VllmConfig(compilation_config=cc))
+    assert backend == "kimi"
+    calls = {}
+    for on in (False, True):
+        counter = MixingCalls()
+
+        def pass_manager(config, counter=counter):  # the backend's, observed
+            manager = pipeline.pass_manager(config)
+            manager.observe(counter)
+            return manager
+
+        torch._dynamo.reset()
+        with h.flag(on), mock.patch.object(kimi_passes.backend, "pass_manager", pass_manager), \
+                torch.fx.experimental._config.patch(backed_size_oblivious=True):
+            model = h.build(SPEC, h.weights(SPEC), CAPTURE)
+            model.compile(fullgraph=True, backend=backend)
+            run_ts(model, torch.float32, f"STOCK_TORCH_COMPILE, flag {on}")
+        assert len(counter.counts) == 1, f"flag {on}: {len(counter.counts)} compiles"
+        calls[on] = counter.counts[0]
+    assert calls[True] <= calls[False], (
+        f"the flag-on graph makes {calls[True]} AttnRes calls, the flag-off graph "
+        f"{calls[False]}: vLLM's separate capture mixing was not merged into its consumer")
+
+
+KIMI_BACKEND_CASES = [
+    (vendor, dtype, on)
+    for vendor in ("nvidia", "amd") for dtype in (torch.float32, torch.bfloat16)
+    for on in (False, True)
+] if FULL else [("amd", torch.float32, True), ("nvidia", torch.bfloat16, False)]
+
+
+@pytest.mark.parametrize(("vendor", "dtype", "on"), KIMI_BACKEND_CASES,
+                         ids=lambda v: str(v).replace("torch.", ""))
+def test_vllm_k3_kimi_backend(routed, vendor, dtype, on):
+    """``kimi_backend`` (attn_res stream, the drafter's ids declared), the whole model."""
+    counter = MixingCalls()
+    backend = kimi_passes.make_kimi_backend(aux_stream="attn_res", draft_config=DRAFT)
+    backend.passes.observe(counter)
+    torch._dynamo.reset()
+    with h.flag(on), torch.fx.experimental._config.patch(backed_size_oblivious=True):
+        model = h.build(SPEC, h.weights(SPEC, dtype), CAPTURE, amd=vendor == "amd")
+        compiled = torch.compile(model, backend=backend, fullgraph=True)
+        run_ts(compiled, dtype, f"{vendor} {dtype} flag {on}")
+    assert len(counter.counts) == 1, f"{len(counter.counts)} compiles for T={TS}, want one"
+    assert counter.counts[0] <= 13, (  # 2 per layer + the output aggregation
+        f"{counter.counts[0]} AttnRes calls: a capture kept a mixing call of its own")
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("on", [False, True] if FULL else [True])
+def test_vllm_k3_nvidia_pp_stages_kimi_backend(routed, on):
+    """Two PP stages of the installed NVIDIA code, each compiled: layers [0, 4) (not the
+    last: it returns vLLM's carry and its captures 0, 2, 3) and [4, 6) (captures 5, 6).
+    The carry's prefix is no capture (its consumer is on the next stage): left as vLLM
+    computes it."""
+    dtype, w = torch.float32, h.weights(SPEC)
+    first, last = h.Stage(is_last_rank=False, world_size=2), \
+        h.Stage(is_first_rank=False, world_size=2)
+    tol = OP_TOL[dtype]
+    torch._dynamo.reset()
+    with h.flag(on), torch.fx.experimental._config.patch(backed_size_oblivious=True):
+        stages = [h.build(SPEC, w, CAPTURE, start=0, end=4, pp=first),
+                  h.build(SPEC, w, CAPTURE, start=4, end=6, pp=last)]
+        compiled = [torch.compile(m, backend=kimi_passes.make_kimi_backend(
+            aux_stream="attn_res"), fullgraph=True) for m in stages]
+        for T in TS:
+            ids = h.token_ids(SPEC, T)
+            eager_carry = h.call(stages[0], ids, pp=first)
+            carry = h.call(compiled[0], ids, pp=first, dynamic=True)
+            torch.testing.assert_close(carry["hidden_states"], eager_carry["hidden_states"],
+                                       atol=tol, rtol=tol, msg="the carry is vLLM's prefix")
+            out = h.call(compiled[1], ids, pp=last, carry=carry, dynamic=True)
+            assert_aux(h.aux_of(out), truth(dtype, T), dtype, f"PP stages, flag {on}, T={T}")
