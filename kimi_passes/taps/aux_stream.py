@@ -43,6 +43,7 @@ manager, since those calls then stay op calls.
 
 from __future__ import annotations
 
+import operator
 import warnings
 from dataclasses import dataclass
 from typing import cast
@@ -65,6 +66,11 @@ from kimi_passes.passes.kimi_calls import (
     mix_nodes,
     tap_args,
 )
+from kimi_passes.taps.capture import (
+    Capture,
+    find_captures,
+    replace_returned,
+)
 from kimi_passes.taps.consumer import find_consumers
 from kimi_passes.taps.served import DrafterCheck
 
@@ -83,17 +89,23 @@ class GraphEnd:
 class TapRewrite:
     """What the pass did for one tap (also what the compile log reports)."""
 
-    capture_id: int
+    #: None only for an unmarked capture in a graph that names no layer (``layers.N``).
+    capture_id: int | None
     consumer: str
     stream: str
     #: attn_res stream: read out of the consumer's own kernel (no second read of the
     #: bank). None in prefix stream, where nothing is mixed.
     fused: bool | None
+    #: "marker" (``kimi.aux_tap``), or an unmarked capture (``taps/capture.py``): a
+    #: "returned value" or a "pure attn_res call" (vLLM's flag-on capture).
+    source: str = "marker"
 
     def how(self) -> str:
-        if self.fused is None:
-            return "running prefix"
-        return "fused" if self.fused else "separate attn_res_mix read"
+        if self.fused is None:  # prefix stream: the value as the model computed it
+            how = "as computed" if self.source == "pure attn_res call" else "running prefix"
+        else:
+            how = "fused" if self.fused else "separate attn_res_mix read"
+        return how if self.source == "marker" else f"{how}; unmarked {self.source}"
 
 
 class AuxStreamPass(KimiGraphPass):
@@ -145,22 +157,34 @@ class AuxStreamPass(KimiGraphPass):
     def _rewrite_taps(self, graph: torch.fx.Graph) -> list[str]:
         taps = calls_to(graph, AUX_TAP)
         self.last_rewrites = []
-        if not taps and self._check is None:
+        calls = attn_res_calls(graph)
+        if not taps and self._check is None and not calls:
             return []
-        geometry = _Geometry.of(graph)
+        captures = find_captures(graph, calls) if calls else None
+        found = captures.found if captures is not None else []
+        # A pure call that reads a capture is no output aggregation of the stage.
+        pure = {p.node for p in captures.pure} if captures is not None else set()
+        geometry = _Geometry([c for c in calls if c.node not in pure], mix_nodes(graph))
         _check_unique_ids(taps, geometry)
+        if captures is not None and captures.ambiguous and self.stream != "prefix":
+            raise AuxCaptureError(_ambiguous_message(captures.ambiguous[0], geometry))
+        _check_markers_agree(graph, taps, found, geometry)
         if self._check is not None:
-            self._check([tap_args(tap)[1] for tap in taps], geometry)
-        if not taps:
+            ids = {tap_args(tap)[1] for tap in taps}
+            ids |= {c.capture_id for c in found if c.capture_id is not None}
+            self._check(sorted(ids), geometry)
+        if not taps and not found:
             return []
         rewrites = [self._rewrite(graph, tap, geometry) for tap in taps]
+        kept: list[str] = []
+        rewrites += [self._serve(graph, capture, kept) for capture in found]
         graph.eliminate_dead_code()
         self.last_rewrites = rewrites
         summary = f"AuxStreamPass(stream={self.stream}): rewrote {len(rewrites)} tap(s): " + (
             "; ".join(f"id {r.capture_id} <- {r.consumer} ({r.how()})" for r in rewrites))
         return [summary] + [
             f"AuxStreamPass: capture id {r.capture_id} is a separate attn_res_mix read of the "
-            "bank (nothing to fuse it into)" for r in rewrites if r.fused is False]
+            "bank (nothing to fuse it into)" for r in rewrites if r.fused is False] + kept
 
     def _rewrite(self, graph: torch.fx.Graph, tap: Node, geometry: _Geometry) -> TapRewrite:
         value, capture_id = tap_args(tap)
@@ -181,6 +205,29 @@ class AuxStreamPass(KimiGraphPass):
         else:
             where = consumer.describe() if isinstance(consumer, AttnResCall) else consumer.name
         return TapRewrite(capture_id, where, self.stream, fused)
+
+    def _serve(self, graph: torch.fx.Graph, capture: Capture, kept: list[str]) -> TapRewrite:
+        """Serve an unmarked capture its stream's value (``taps/capture.py``)."""
+        call, pure = capture.consumer, capture.pure
+        rewrite = TapRewrite(capture.capture_id, call.describe(), self.stream,
+                             None if self.stream == "prefix" else True, capture.source)
+        if self.stream == "prefix":  # every value stays as computed, pure calls included
+            return rewrite
+        if pure is not None and not self.fuse:  # already a separate read of the bank
+            rewrite.fused = False
+            return rewrite
+        if pure is None and call.arg("num_blocks") == 0:
+            return rewrite  # a mixture over zero blocks is its prefix: the value itself
+        mixture, rewrite.fused = self._mixture(graph, call)
+        for path, chain in capture.slots:
+            replace_returned(graph, path, _views_of(graph, mixture, chain))
+            _erase_unused(graph, chain)
+        if pure is not None and not _drop_pure(graph, pure):
+            kept.append(
+                f"AuxStreamPass: capture id {capture.capture_id}: the pure attn_res call "
+                f"{pure.node.name} stays (its mixture has readers other than the returned "
+                "value); the returned value reads the consumer's fused mixture")
+        return rewrite
 
     def _mixture(self, graph: torch.fx.Graph, call: AttnResCall) -> tuple[Node, bool]:
         """A node holding ``call``'s pre-norm mixture, and whether it came fused."""
@@ -222,6 +269,86 @@ def _warn_alone() -> None:
         "the pass manager instead: post_grad_custom_post_pass = kimi_passes.pass_manager("
         "aux_stream=..., draft_config=...) (the same options as make_kimi_backend)",
         UserWarning, stacklevel=2)
+
+
+def _views_of(graph: torch.fx.Graph, value: Node, chain: list[Node]) -> Node:
+    """``chain`` (views/copies, top first, of some value) redone on ``value``."""
+    for node in reversed(chain):
+        value = call_function(graph, node.target, (value, *node.args[1:]), node.kwargs,
+                              after=value, stands_for=node)
+    return value
+
+
+def _erase_unused(graph: torch.fx.Graph, chain: list[Node]) -> None:
+    for node in chain:  # top first: each erased node frees the one below it
+        if not node.users:
+            graph.erase_node(node)
+
+
+def _drop_pure(graph: torch.fx.Graph, pure: AttnResCall) -> bool:
+    """Erase a pure mixing call whose mixture nobody reads any more; False if read.
+
+    Its other outputs (the prefix and bank, unchanged: no delta, no block write) are
+    replaced by the values it was given.
+    """
+    outputs = [u for u in pure.node.users if u.target is operator.getitem]
+    if any(u.users for u in outputs if cast(int, u.args[1]) < pure.num_returns):
+        return False
+    for name in ("prefix", "blocks"):
+        for u in outputs:
+            if u.args[1] == pure.output_index(name):
+                u.replace_all_uses_with(pure.base(name))
+    for u in outputs:
+        graph.erase_node(u)
+    graph.erase_node(pure.node)
+    return True
+
+
+def _ambiguous_message(ambiguous: tuple[str, list[AttnResCall]], geometry: _Geometry) -> str:
+    what, consumers = ambiguous
+    names = "; ".join(c.describe() for c in consumers)
+    return (
+        f"{what} is the legacy input of {len(consumers)} AttnRes calls in the "
+        f"{geometry.stage()} ({names}): an unmarked aux capture must have one consumer, "
+        "whose pre-norm mixture it then reads, and serving either one could feed the "
+        "drafter the wrong layer's state. Remedy: mark the tap with "
+        "kimi_passes.aux_tap(x, capture_id) right before the layer that reads it, or "
+        "compile with aux_stream='prefix' if the drafter was trained on the prefix stream")
+
+
+def _check_markers_agree(graph: torch.fx.Graph, taps: list[Node], found: list[Capture],
+                         geometry: _Geometry) -> None:
+    """Markers and unmarked captures of one graph must name the same ids for one consumer."""
+    if not taps or not found:
+        return
+    by_call: dict[Node, tuple[int, Node]] = {}
+    by_id: dict[int, tuple[Node, list]] = {}
+    for tap in taps:
+        value, k = tap_args(tap)
+        consumers = find_consumers(graph, value, geometry.calls, geometry.mixes)
+        by_id[k] = (tap, consumers)
+        for c in consumers:
+            if isinstance(c, AttnResCall):
+                by_call[c.node] = (k, tap)
+    for capture in found:
+        marked = by_call.get(capture.consumer.node)
+        if marked is not None and marked[0] != capture.capture_id:
+            raise AuxCaptureError(_contradiction(marked[1], marked[0], capture, geometry))
+        if capture.capture_id in by_id:
+            tap, consumers = by_id[capture.capture_id]
+            calls = [c.node for c in consumers if isinstance(c, AttnResCall)]
+            if calls and capture.consumer.node not in calls:
+                raise AuxCaptureError(_contradiction(tap, capture.capture_id, capture, geometry))
+
+
+def _contradiction(tap: Node, k: int, capture: Capture, geometry: _Geometry) -> str:
+    return (
+        f"the aux tap marker {tap.name} (capture id {k}) contradicts the unmarked capture "
+        f"{capture.describe()} (capture id {capture.capture_id}) in the {geometry.stage()}: "
+        "one graph names two capture ids for one consumer, or one capture id for two "
+        "consumers, and the drafter would be fed one of them silently. Remedy: give the "
+        "marker the capture id of the layer that reads its value, or return the value "
+        "the marker marks (not another layer's input)")
 
 
 def _to_capture(graph: torch.fx.Graph, call: AttnResCall) -> AttnResCall:
