@@ -45,7 +45,7 @@ import kimi_passes.vllm_k3 as route  # noqa: E402
 from kimi_passes.config.stream import ENV_VAR  # noqa: E402
 from kimi_passes.passes.manager import PassObserver  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("aten_fallback")]
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("aten_fallback", "caches_off")]
 
 FULL = os.environ.get("KIMI_PASSES_VLLM_K3_PROFILE") == "full"
 SPEC = h.Spec()  # 6 layers, H=64, blocks of 2 (layers 0, 2, 4 write a block)
@@ -105,13 +105,24 @@ _truth: dict = {}
 
 
 def truth(dtype, T):
-    """The installed NVIDIA code's flag-on eager aux states (routed; see the kernel test)."""
-    key = (dtype, T)
-    if key not in _truth:
-        with h.flag(True):
+    """The installed NVIDIA code's flag-on aux states (routed; see the kernel test).
+
+    fp32: eager. bf16: compiled by plain Inductor (one dynamic compile), as the K3 tap
+    tests do (docs/testing.md, "Tolerances"): Inductor rounds the stand-ins' bf16 math
+    differently from eager, and that drift, not the tap, would be measured.
+    """
+    if (dtype, T) not in _truth:
+        with h.flag(True), torch.fx.experimental._config.patch(backed_size_oblivious=True):
             model = h.build(SPEC, h.weights(SPEC, dtype), CAPTURE)
-            _truth[key] = h.aux_of(h.call(model, h.token_ids(SPEC, T)))
-    return _truth[key]
+            if dtype != torch.float32:
+                torch._dynamo.reset()
+                model = torch.compile(model, backend="inductor", fullgraph=True)
+            for t in TS:
+                out = h.call(model, h.token_ids(SPEC, t), dynamic=dtype != torch.float32)
+                _truth[dtype, t] = h.aux_of(out)
+        if dtype != torch.float32:
+            torch._dynamo.reset()
+    return _truth[dtype, T]
 
 
 def assert_aux(got, want, dtype, what):
@@ -133,12 +144,12 @@ class MixingCalls(PassObserver):
         self.counts.append(h.count_attn_res(graph))
 
 
-def run_ts(model, dtype, what, compiles=None):
+def run_ts(model, dtype, what):
+    """``model`` (compiled lazily: not called yet) at every T, against the truth."""
+    truth(dtype, TS[0])  # first: a compiled truth resets Dynamo
     for T in TS:
         out = h.call(model, h.token_ids(SPEC, T), dynamic=True)
         assert_aux(h.aux_of(out), truth(dtype, T), dtype, f"{what}, T={T}")
-    if compiles is not None:
-        assert compiles == [1], f"{what}: {compiles[0]} compiles for T={TS}, want one"
 
 
 def test_vllm_k3_plugin_routes_attn_res_only_when_enabled():
@@ -223,6 +234,7 @@ KIMI_BACKEND_CASES = [
 ] if FULL else [("amd", torch.float32, True), ("nvidia", torch.bfloat16, False)]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(("vendor", "dtype", "on"), KIMI_BACKEND_CASES,
                          ids=lambda v: str(v).replace("torch.", ""))
 def test_vllm_k3_kimi_backend(routed, vendor, dtype, on):
