@@ -91,7 +91,7 @@ def route_attn_res() -> list[str]:
                 f"${ENV_VAR} to serve it without kimi_passes")
         if current is not fn:
             _originals.setdefault(name, current)
-            module.attn_res = fn
+            vars(module)["attn_res"] = fn
         routed.append(name)
     return routed
 
@@ -99,7 +99,7 @@ def route_attn_res() -> list[str]:
 def unroute_attn_res() -> None:
     """Put vLLM's own ``attn_res`` back wherever ``route_attn_res`` replaced it."""
     for name, fn in list(_originals.items()):
-        sys.modules[name].attn_res = fn
+        vars(sys.modules[name])["attn_res"] = fn
         del _originals[name]
 
 
