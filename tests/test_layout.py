@@ -307,6 +307,9 @@ PUBLIC = {
         "attn_res_mix", "attn_res_mix_reference", "attn_res_mix_triton", "attn_res_reference",
         "attn_res_triton", "aux_tap_op"],
     "kimi_passes.bench": ["main", "bench_op", "bench_tap", "bench_pass", "bench_compile"],
+    # Imports vLLM only when register() routes (the vllm.general_plugins entry point).
+    "kimi_passes.vllm_k3": ["register", "route_attn_res", "unroute_attn_res", "vllm_attn_res",
+                            "vllm_attn_res_amd"],
 }
 #: Needs vLLM (skipped without it).
 PUBLIC_VLLM = {"kimi_passes.vllm": [
