@@ -354,15 +354,21 @@ def test_the_public_objects_behave():
 
 
 def test_the_entry_points_name_live_objects():
-    """``backend="kimi"`` (torch_dynamo_backends) and the ``kimi-passes`` console script."""
+    """``backend="kimi"`` (torch_dynamo_backends), the ``kimi-passes`` console script and
+    vLLM's plugin ``kimi_passes`` (vllm.general_plugins)."""
     import kimi_passes.__main__
     import kimi_passes.backend
+    import kimi_passes.vllm_k3
 
     eps = metadata.entry_points()
     (backend,) = [e for e in eps.select(group="torch_dynamo_backends") if e.name == "kimi"]
     assert backend.load() is kimi_passes.backend.kimi_backend
     (script,) = [e for e in eps.select(group="console_scripts") if e.name == "kimi-passes"]
     assert script.load() is kimi_passes.__main__.main
+    plugins = [e for e in eps.select(group="vllm.general_plugins") if e.name == "kimi_passes"]
+    assert plugins, ("the installed metadata has no vllm.general_plugins entry point "
+                     "kimi_passes: reinstall (`pip install -e .`) after pyproject.toml changed")
+    assert plugins[0].load() is kimi_passes.vllm_k3.register
 
 
 # --------------------------------------------------------------------------- the options
