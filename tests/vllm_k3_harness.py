@@ -153,16 +153,16 @@ def flag(on: bool):
         yield
 
 
-def weights(spec: Spec, dtype=torch.float32) -> dict[str, torch.Tensor]:
+def weights(spec: Spec, dtype=torch.float32, device="cpu") -> dict[str, torch.Tensor]:
     """One set of K3 weights by name, shared by the NVIDIA and the ROCm models."""
-    g = torch.Generator().manual_seed(spec.seed)
+    g = torch.Generator(device).manual_seed(spec.seed)
     H, inner = spec.hidden, spec.inner
 
     def rand(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+        return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
 
     def norm():
-        return (1 + 0.2 * torch.randn(H, generator=g)).to(dtype)
+        return (1 + 0.2 * torch.randn(H, generator=g, device=device)).to(dtype)
 
     w = {"embed": rand(spec.vocab, H), "out_norm": norm(), "out_proj": rand(1, H)}
     for i in range(spec.num_layers):
@@ -256,7 +256,7 @@ def call(model, ids, *, pp: Stage = Stage(), carry=None, dynamic: bool = False):
     ``dynamic``: the token count is marked dynamic (on every input that has it), so one
     compile serves every T (with ``backed_size_oblivious``, T = 1 too).
     """
-    positions = torch.arange(ids.shape[0])
+    positions = torch.arange(ids.shape[0], device=ids.device)
     if dynamic:
         for t in (ids, positions, *(carry.tensors.values() if carry is not None else ())):
             torch._dynamo.mark_dynamic(t, 0)
@@ -294,11 +294,23 @@ def vllm_attn_res():
     return _vllm_attn_res
 
 
+def own_attn_res():
+    """vLLM's own NVIDIA ``attn_res``: as vLLM imports it where its Triton is real (a GPU),
+    else from its installed source (``vllm_attn_res``, interpreted)."""
+    from vllm.triton_utils import HAS_TRITON
+
+    if HAS_TRITON:
+        import vllm.models.kimi_k3.nvidia.ops.attn_res as own
+
+        return own.attn_res
+    return vllm_attn_res()
+
+
 @contextlib.contextmanager
 def vllm_kernel():
-    """vLLM's own NVIDIA ``attn_res`` (its Triton kernel, interpreted) in the NVIDIA model."""
+    """vLLM's own NVIDIA ``attn_res`` (its Triton kernel) in the NVIDIA model."""
     nvidia, _ = vllm_modules()
-    with mock.patch.object(nvidia, "attn_res", vllm_attn_res()):
+    with mock.patch.object(nvidia, "attn_res", own_attn_res()):
         yield
 
 

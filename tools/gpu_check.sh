@@ -32,6 +32,12 @@
 #      kernel forced at the same T (`triton-row`, "op x row-route"): the switch point's check
 #   5b. whole compiled steps on CUDA: the reference K3 (L=8, H=512) at T = 1, 8, 64 under
 #      kimi_backend against plain Inductor (python -m kimi_passes.bench.decode --device cuda)
+#   5c. vLLM's own K3 forward (its installed NVIDIA code, tests/vllm_k3_harness.py's
+#      stand-ins for attention and MoE) at H=7168, 6 layers, T = 1, 8, 256, bf16: vLLM's
+#      attn_res (Triton; torch.ops._C.kimi_k3_attn_res where vLLM takes it) with
+#      VLLM_KIMI_K3_AUX_ATTN_RES_STREAM off, on, on compiled by Inductor, against the kimi
+#      pass (the plugin's route, kimi_backend): aux error vs vLLM's flag-on output and time
+#      (tools/vllm_k3_gpu.py; skipped, with the reason printed, where vLLM is not installed)
 #   6. (if time is left) the tap section on CUDA with a small K3
 #   7. (if time is left) peers at a power-of-two width (flash-attn-res needs one) and fp32
 #
@@ -144,6 +150,8 @@ step "op bench: decode sweep T=1,8,64,256 H=7168 nb=8 bf16 (full) vs row route, 
 step "whole K3 step on CUDA, T=1,8,64: kimi_backend vs plain Inductor" 120 \
     bash -c '"$PY" -m kimi_passes.bench.decode --device cuda --models k3 --T 1 8 64 \
         --rounds 7 --block-ms 20 | tee "$RESULTS/decode_cuda.txt"'
+step "vLLM K3 forward: vLLM's attn_res flag off / on / on compiled vs the kimi pass" 120 \
+    "$PY" "$REPO/tools/vllm_k3_gpu.py" --T 1 8 256 --json "$RESULTS/vllm_k3.json"
 step "tap bench (small K3 on CUDA)" 100 \
     bench --only tap --quick --out "$RESULTS/tap.json" --text "$RESULTS/tap.txt"
 step "op bench: peers at H=4096 (flash-attn-res needs a power of 2) and fp32" 80 \
