@@ -189,3 +189,39 @@ def test_drafter_ids_are_checked_against_captures():
                        r"tapped but not declared: \[3\]"):
         with_backend(model, ids(),
                      draft_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2, 4, 5]})
+
+
+class FirstPiece(torch.nn.Module):
+    """The first piece of a stage starting at layer 3, split at attention as vLLM splits:
+    layer 3's pre-attention mixing (no delta, 2 blocks), returning the running prefix and
+    the bank the next piece reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = VllmLikeK3().layers
+
+    def forward(self, hidden, bank):
+        prefix, layer = hidden.clone(), self.layers[3]
+        h = kimi.attn_res(prefix, None, bank, layer.self_attention_res_norm,
+                          layer.self_attention_res_proj.squeeze(0), layer.input_layernorm,
+                          layer.prev_valid_blocks, -1, 1e-6, 1e-6)
+        return h, prefix, bank
+
+
+def test_running_prefix_handed_on_is_no_capture():
+    hidden, bank = torch.randn(4, 16), torch.randn(4, 3, 16)
+    (_, prefix, _), watch = with_manager(FirstPiece(), hidden, bank.clone())
+    assert watch.rewrites == [] and watch.code_after == watch.code_before
+    assert torch.equal(prefix, hidden)
+
+
+@pytest.mark.parametrize("path", ["model.layers.3.mlp", "L['self'].layers[3]",
+                                  "L['self'].__dict__['_modules']['layers'].3"])
+def test_layer_index_reads_every_module_path_spelling(path):
+    """Dynamo spells a module reached through ``__dict__`` (a model whose forward mutates an
+    attribute of itself) ``['layers'].3``; its calls still carry their layer."""
+    from kimi_passes.passes.kimi_calls import layer_index
+
+    node = torch.fx.Graph().placeholder("x")
+    node.meta["nn_module_stack"] = {"m": (path, torch.nn.Module)}
+    assert layer_index(node) == 3
