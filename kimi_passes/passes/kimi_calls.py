@@ -35,8 +35,9 @@ ATTN_RES_OPS = (kimi.attn_res.default, kimi.attn_res_capture.default)
 AUX_TAP = kimi.aux_tap.default
 ATTN_RES_MIX = kimi.attn_res_mix.default
 
-# Module path of a decoder layer: "layers.3", "layers['3']" or "layers[3]".
-_LAYER_PATH = re.compile(r"layers(?:\.|\[['\"]?)(\d+)")
+# Module path of a decoder layer: "layers.3", "layers['3']" or "layers[3]"; Dynamo also
+# spells a module reached through its __dict__ "...['_modules']['layers'].3".
+_LAYER_PATH = re.compile(r"layers(?:['\"]\])?(?:\.|\[['\"]?)(\d+)")
 
 
 def layer_index(node: Node) -> int | None:

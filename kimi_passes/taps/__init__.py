@@ -3,6 +3,7 @@
 - ``marker``: ``aux_tap(x, capture_id)``, the marker model code puts on a tap;
 - ``served``: the per-graph check that a graph taps exactly the declared ids it owns;
 - ``consumer``: which AttnRes call of a post-grad graph reads a tap's value;
+- ``capture``: which returned values are taps with no marker (vLLM's K3 forward);
 - ``aux_stream``: ``AuxStreamPass``, which rewrites every marker to its stream's value or
   refuses at compile time (docs/design.md section 4).
 

@@ -5,6 +5,12 @@ stream each tap's users read exactly the mixture that its consumer (the AttnRes
 call that mixes against the tap's value) computes before its output norm; in
 ``"prefix"`` stream they read the tap's input, the legacy running prefix.
 
+Taps are markers, or unmarked: a returned value that is a capture consumer's legacy input,
+or a pure mixing call over the same sources (``taps/capture.py``, the recognition rule of
+docs/design.md section 4). In ``"attn_res"`` stream an unmarked tap's output slot reads its
+consumer's mixture (fused as below) and a merged pure call is erased; in ``"prefix"``
+stream the graph is left as it is. Markers and unmarked taps of one graph must agree.
+
 Before (one K3 layer, capture id 3)::
 
     x = add(prefix, pending)
@@ -30,10 +36,12 @@ captures it (a second read of the bank; for A/B and benchmarks).
 Refused with ``AuxCaptureError`` (at compile time, never a silent fallback): a
 tap with no consumer in the graph (the end of a non-final pipeline stage), a
 consumer whose layer or ``num_blocks`` contradicts the capture id, two taps
-claiming one id, and markers in a graph with no AttnRes op. A tap cut off from its
-consumer by a graph break names the break; under a host that compiles the model in pieces
-(vLLM), the splitting ops. With a drafter config (``drafter``), a graph whose taps are not
-exactly the declared ids it owns (``taps/served.py``), before any rewrite.
+claiming one id, markers in a graph with no AttnRes op, an unmarked value two capture
+consumers read (``"attn_res"`` stream), and a marker contradicting an unmarked tap. A tap
+cut off from its consumer by a graph break names the break; under a host that compiles the
+model in pieces (vLLM), the splitting ops. With a drafter config (``drafter``), a graph
+whose taps are not exactly the declared ids it owns (``taps/served.py``), before any
+rewrite.
 
 The pass rewrites taps and nothing else. ``kimi_passes.pass_manager`` runs it after the
 mixing fusion and before the CPU lowering; installed alone as Inductor's

@@ -7,7 +7,9 @@ the same graph receives as its legacy input:
 
 - ``prefix + delta`` as that call receives them, in either operand order, rounded as the
   kernel's own prefix add rounds (the sum in the consumer's prefix dtype; see
-  ``fx_toolkit.sum_operands``), or the prefix itself when the call has no delta;
+  ``fx_toolkit.sum_operands``), or the prefix itself when the call has no delta and mixes
+  zero blocks (capture id 0, the embedding: a stage's running prefix handed on from one
+  piece of a split graph to the next is no capture);
 - or the output of a *pure mixing call* (no delta, no block write, no output norm) that
   reads the same sources as a capture consumer: its prefix is that sum, its bank the
   consumer's bank, and it has the consumer's weights, ``num_blocks`` and eps. That is
@@ -129,7 +131,7 @@ def find_captures(graph: torch.fx.Graph, calls: list[AttnResCall]) -> Captures:
             p, c = pure_of[value]
             found.append(Capture(c, capture_id(c), value, p, where))
             continue
-        matches = [c for c in consumers if _reads_legacy(c, value, by_node)]
+        matches = [c for c in consumers if _returns_input(c, value, by_node)]
         if len(matches) == 1:
             found.append(Capture(matches[0], capture_id(matches[0]), value, None, where))
         elif matches:
@@ -219,6 +221,19 @@ def _reads_legacy(call: AttnResCall, value: Node, by_node) -> bool:
     if delta is None:
         return settled(value, by_node) is prefix
     return _sum_of(root(value), prefix, settled(delta, by_node), dtype_of(prefix), by_node)
+
+
+def _returns_input(call: AttnResCall, value: Node, by_node) -> bool:
+    """Is the returned ``value`` ``call``'s legacy input, and so its capture?
+
+    A call with no delta reads its prefix as it is; a graph returns that prefix also to
+    hand it on (one piece of a split stage returns its running prefix to the next piece),
+    so only the prefix of a call that mixes zero blocks (layer 0: the embedding, capture
+    id 0) counts, whose mixture is that prefix: serving it changes nothing.
+    """
+    if call.arg("delta") is None and call.arg("num_blocks") != 0:
+        return False
+    return _reads_legacy(call, value, by_node)
 
 
 def _same_mixing(pure: AttnResCall, call: AttnResCall, by_node) -> bool:
