@@ -95,7 +95,12 @@ def load_vllm_plugins(env: str | None) -> None:
 
 @pytest.fixture
 def routed():
-    """vLLM's K3 ``attn_res`` routed as a user's vLLM process routes it."""
+    """vLLM's K3 ``attn_res`` routed as a user's vLLM process routes it.
+
+    The plugin imports the platform's K3 package (here the NVIDIA forward, as on CUDA);
+    the ROCm module is imported first, as a ROCm process's package import does.
+    """
+    h.vllm_modules()
     load_vllm_plugins("attn_res")
     yield
     route.unroute_attn_res()
