@@ -146,17 +146,24 @@ def test_non_final_stage_carry_is_left_alone():
 
 
 class TwoReaders(torch.nn.Module):
-    """``x + pending`` is the legacy input of layer 0's mixing and of a call after it."""
+    """``x + pending`` is the legacy input of layer 0's mixing and of a call after it
+    (``pure``: the mixture of two calls after it, read by a pure call as vLLM does)."""
 
-    def __init__(self):
+    def __init__(self, pure=False):
         super().__init__()
         self.layers = torch.nn.ModuleList([VllmLikeK3(num_layers=1).layers[0]])
         self.w = torch.nn.Parameter(torch.ones(16), requires_grad=False)
+        self.pure = pure
 
     def forward(self, x, pending, bank):
+        w = self.w
         cap = x + pending
         h, _, bank = self.layers[0](pending, x.clone(), bank)
-        other = kimi.attn_res(x.clone(), pending, bank, self.w, self.w, None, 0, -1, 1e-6, 0.0)
+        if self.pure:  # after layer 0's block write: the bank the calls below read
+            cap = kimi.attn_res(cap, None, bank, w, w, None, 0, -1, 1e-6, 0.0)
+        other = kimi.attn_res(x.clone(), pending, bank, w, w, None, 0, -1, 1e-6, 0.0)
+        if self.pure:
+            other = other + kimi.attn_res(x.clone(), pending, bank, w, w, None, 0, -1, 1e-6, 0.0)
         return h, other, cap
 
 
@@ -168,6 +175,10 @@ def test_value_read_by_two_consumers_is_refused():
     (_, _, cap), watch = with_manager(TwoReaders(), *inputs, aux_stream="prefix")
     assert watch.code_after == watch.code_before
     torch.testing.assert_close(cap, inputs[0] + inputs[1], atol=0, rtol=0)
+    with pytest.raises(AuxCaptureError, match=r"returned value getitem.* \(a pure attn_res "
+                       r"mixing call auto_functionalized.*\) is the legacy input of 2 AttnRes "
+                       r"calls .*\(output aggregation .*; output aggregation"):
+        with_backend(TwoReaders(pure=True), *inputs)
 
 
 def test_markers_agree_or_contradict():

@@ -397,10 +397,6 @@ class _Geometry:
                 self.block_size = c.layer // w
                 break
 
-    @classmethod
-    def of(cls, graph: torch.fx.Graph) -> _Geometry:
-        return cls(attn_res_calls(graph), mix_nodes(graph))
-
     def stage(self) -> str:
         if self.first_layer is None or self.last_layer is None:
             return "a graph whose AttnRes calls carry no layer index"

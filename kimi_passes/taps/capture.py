@@ -83,7 +83,7 @@ class Captures:
     found: list[Capture]
     #: Pure calls that mix exactly what one capture consumer mixes (returned or not).
     pure: list[AttnResCall]
-    #: Returned values (or pure calls) matching several consumers: (what, consumers).
+    #: Returned values (a pure call's among them) matching several consumers.
     ambiguous: list[tuple[str, list[AttnResCall]]]
 
 
@@ -106,15 +106,21 @@ def find_captures(graph: torch.fx.Graph, calls: list[AttnResCall]) -> Captures:
     ambiguous: list[tuple[str, list[AttnResCall]]] = []
 
     pure_of: dict[Node, tuple[AttnResCall, AttnResCall]] = {}  # output -> (pure, consumer)
+    merged_calls: list[AttnResCall] = []
+    pure_of_many: dict[Node, tuple[AttnResCall, list[AttnResCall]]] = {}
     for p in outside:
         if not is_pure(p):
             continue
         matches = [c for c in consumers if _same_mixing(p, c, by_node)]
+        out = next((u for u in p.node.users if u.target is operator.getitem
+                    and u.args[1] == 0), None)  # read only: no getitem made here
         if len(matches) == 1:
-            pure_of[p.getitem(0)] = (p, matches[0])
-        elif matches:
-            ambiguous.append((f"{p.node.name} (a pure attn_res mixing call)", matches))
-    merged = {p.node for p, _ in pure_of.values()}
+            if out is not None:
+                pure_of[out] = (p, matches[0])
+            merged_calls.append(p)
+        elif matches and out is not None:
+            pure_of_many[out] = (p, matches)
+    merged = {p.node for p in merged_calls}
     # A pure-shaped call outside the layers that mixes for no consumer is a consumer
     # itself (an output aggregation written with the prefix add before the call).
     consumers += [c for c in outside if is_pure(c) and c.node not in merged]
@@ -131,12 +137,17 @@ def find_captures(graph: torch.fx.Graph, calls: list[AttnResCall]) -> Captures:
             p, c = pure_of[value]
             found.append(Capture(c, capture_id(c), value, p, where))
             continue
+        if value in pure_of_many:
+            p, many = pure_of_many[value]
+            ambiguous.append((f"returned value {value.name} (a pure attn_res mixing call "
+                              f"{p.node.name})", many))
+            continue
         matches = [c for c in consumers if _returns_input(c, value, by_node)]
         if len(matches) == 1:
             found.append(Capture(matches[0], capture_id(matches[0]), value, None, where))
         elif matches:
             ambiguous.append((f"returned value {value.name}", matches))
-    return Captures(found, [p for p, _ in pure_of.values()], ambiguous)
+    return Captures(found, merged_calls, ambiguous)
 
 
 def returned(graph: torch.fx.Graph) -> Iterator[tuple[tuple[int, ...], list[Node]]]:
