@@ -18,7 +18,12 @@ imports nothing and changes nothing. vLLM's files are never edited: the names ar
 rebound in the imported modules, which look ``attn_res`` up at call time.
 
 The entry point exists once the package's metadata does: after ``pip install -e .`` (or a
-wheel). Without the metadata, ``route_attn_res()`` does the same from Python.
+wheel). Without the metadata, ``register()`` called in the process (or
+``route_attn_res()`` once the K3 modules are imported) does the same.
+
+Routed, the values are ``kimi::attn_res``'s: the same arithmetic as vLLM's kernel, not
+bit for bit (fp32: within 5e-6 of vLLM's Triton kernel on its K3 forward, measured on
+CPU with the kernel interpreted; tests/test_vllm_k3.py).
 
 Not routed: ``quant_dtype`` (the ROCm path's FP8 output) raises, naming this route;
 sequence parallelism's aux states (``cat``, all-gathered and split) are out of scope.
