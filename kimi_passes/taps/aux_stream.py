@@ -186,7 +186,8 @@ class AuxStreamPass(KimiGraphPass):
         rewrites = [self._rewrite(graph, tap, geometry) for tap in taps]
         kept: list[str] = []
         rewrites += [self._serve(graph, capture, kept) for capture in found]
-        graph.eliminate_dead_code()
+        if taps or self.stream != "prefix":  # unmarked taps alone in prefix: nothing changed
+            graph.eliminate_dead_code()
         self.last_rewrites = rewrites
         summary = f"AuxStreamPass(stream={self.stream}): rewrote {len(rewrites)} tap(s): " + (
             "; ".join(f"id {r.capture_id} <- {r.consumer} ({r.how()})" for r in rewrites))
