@@ -21,6 +21,7 @@ from kimi_passes.passes.fx_toolkit import calls_to
 from kimi_passes.passes.kimi_calls import AUX_TAP
 from kimi_passes.pipeline import pass_manager, pre_autograd_manager, training_manager
 from kimi_passes.taps.aux_stream import AuxStreamPass, GraphEnd
+from kimi_passes.taps.unrouted import check_unrouted
 from kimi_passes.training.pre_autograd import fuse_before_autograd, needs_autograd
 
 BACKEND_NAME = "kimi"
@@ -91,6 +92,9 @@ class KimiBackend:
             mode_patches = list_mode_options(mode) if mode else {}
         except RuntimeError as e:
             raise ValueError(f"kimi_passes: unknown torch.compile mode {mode!r} ({e})") from None
+        # Dynamo's graph, before AOTAutograd: vLLM's own K3 attn_res found here is refused
+        # before any compile work (the aux-stream pass checks the post-grad form too).
+        check_unrouted(gm.graph, self.aux_stream)
         passes, functorch_patches = self.passes, {}
         if needs_autograd(example_inputs):
             passes = self.training_passes
@@ -131,9 +135,33 @@ def kimi_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None 
 
     ``torch.compile(m, backend="kimi", options={...})`` passes ``options`` here (the
     ``KimiPassConfig`` options and Inductor config patches); ``mode`` is ``torch.compile``'s
-    (``"reduce-overhead"`` sets CUDA graphs, as for plain Inductor).
+    (``"reduce-overhead"`` sets CUDA graphs, as for plain Inductor). Without a
+    ``draft_config`` option, inside vLLM (``backend="kimi"`` under
+    ``CompilationMode.STOCK_TORCH_COMPILE``) the drafter vLLM serves is checked.
     """
-    return KimiBackend(**(options or {}))(gm, example_inputs, mode=mode)
+    backend = KimiBackend(**(options or {}))
+    if backend.drafter is None:
+        served = _vllm_served_drafter()
+        if served is not None:
+            backend = KimiBackend(backend.config.with_drafter(served), **backend.inductor_config)
+    return backend(gm, example_inputs, mode=mode)
+
+
+def _vllm_served_drafter() -> DrafterTaps | None:
+    """The drafter vLLM serves, when this compile runs inside vLLM (its current config set).
+
+    vLLM's ``CompilationMode.STOCK_TORCH_COMPILE`` hands ``torch.compile`` the backend's
+    name, with no options; the first call (Dynamo compiles at the model's first forward,
+    vLLM's profile run) happens under ``set_current_vllm_config``, so the speculative
+    config is readable here. vLLM not imported: nothing to read (and nothing imported).
+    """
+    import sys
+
+    if "vllm" not in sys.modules:
+        return None
+    from kimi_passes.vllm import served_drafter
+
+    return served_drafter()
 
 
 def register() -> None:

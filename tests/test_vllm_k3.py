@@ -282,3 +282,117 @@ def test_vllm_k3_nvidia_pp_stages_kimi_backend(routed, on):
                                        atol=tol, rtol=tol, msg="the carry is vLLM's prefix")
             out = h.call(compiled[1], ids, pp=last, carry=carry, dynamic=True)
             assert_aux(h.aux_of(out), truth(dtype, T), dtype, f"PP stages, flag {on}, T={T}")
+
+
+# ------------------------------------------------------- vLLM's attn_res left unrouted
+
+def _hop_graph(kernel, functional: bool) -> torch.fx.GraphModule:
+    """A graph holding ``kernel``'s launch as Dynamo records a Triton launch: the
+    higher-order op, the kernel found through ``kernel_side_table`` (Dynamo cannot trace
+    the interpreted kernel on CPU, so the graph is built in that form directly)."""
+    from torch._higher_order_ops.triton_kernel_wrap import (
+        kernel_side_table,
+        triton_kernel_wrapper_functional,
+        triton_kernel_wrapper_mutation,
+    )
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    kw = {"kernel_idx": kernel_side_table.add_kernel(kernel),
+          "constant_args_idx": kernel_side_table.add_constant_args({}),
+          "grid": [(1, 1, 1)], "tma_descriptor_metadata": {}, "kwargs": {"prefix_ptr": x}}
+    if functional:
+        out = g.call_function(triton_kernel_wrapper_functional,
+                              kwargs={**kw, "tensors_to_clone": ["prefix_ptr"]})
+        g.output(g.call_function(__import__("operator").getitem, (out, "prefix_ptr")))
+    else:
+        g.call_function(triton_kernel_wrapper_mutation, kwargs=kw)
+        g.output(x)
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+def _c_op_graph() -> tuple[torch.fx.GraphModule, object]:
+    """vLLM's SM100 op ``_C::kimi_k3_attn_res`` (a stand-in registered under that name:
+    vLLM's CPU build does not define it), functionalized, as a post-grad graph holds it."""
+    from torch._higher_order_ops.auto_functionalize import auto_functionalized
+
+    assert not hasattr(torch.ops._C, "kimi_k3_attn_res"), "_C::kimi_k3_attn_res exists here"
+    lib = torch.library.Library("_C", "FRAGMENT")  # noqa: TOR901
+    lib.define("kimi_k3_attn_res(Tensor(a!) prefix, Tensor delta) -> Tensor")
+    g = torch.fx.Graph()
+    x, d = g.placeholder("x"), g.placeholder("d")
+    af = g.call_function(auto_functionalized, (torch.ops._C.kimi_k3_attn_res.default,),
+                         {"prefix": x, "delta": d})
+    g.output(g.call_function(__import__("operator").getitem, (af, 0)))
+    return torch.fx.GraphModule(torch.nn.Module(), g), lib
+
+
+def test_vllm_k3_unrouted_attn_res_refused_under_attn_res_stream():
+    """vLLM's own K3 ``attn_res`` in a graph (its Triton kernel as the HOP, both forms;
+    its SM100 op): an ``AuxCaptureError`` under the attn_res stream (the pass and the
+    backend's Dynamo-level check), nothing under the prefix stream. Another kernel named
+    ``_attn_res_kernel`` (not vLLM's) is no alarm."""
+    import triton
+    import triton.language as tl
+
+    from kimi_passes import AuxCaptureError, AuxStreamPass, KimiBackend
+    from kimi_passes.taps.unrouted import unrouted_calls
+
+    kernel = h.vllm_attn_res().__globals__["_attn_res_kernel"]  # vLLM's, as installed
+    assert kernel.fn.__code__.co_filename.endswith("kimi_k3/nvidia/ops/attn_res.py")
+
+    @triton.jit
+    def _attn_res_kernel(prefix_ptr, N: tl.constexpr):  # a user's own, same name
+        pass
+
+    c_gm, lib = _c_op_graph()
+    try:
+        found = {"HOP functional": _hop_graph(kernel, True),
+                 "HOP mutation": _hop_graph(kernel, False), "_C op": c_gm}
+        for what, gm in found.items():
+            assert len(unrouted_calls(gm.graph)) == 1, what
+            with pytest.raises(AuxCaptureError, match=(
+                    rf"calls vLLM's Kimi K3 attn_res as vLLM ships it .*running prefix.*"
+                    rf"\${ENV_VAR}=attn_res.*VLLM_PLUGINS.*kimi_passes")):
+                AuxStreamPass("attn_res").run(gm.graph)
+            AuxStreamPass("prefix").run(gm.graph)  # vLLM's own values are the ones asked
+            with pytest.raises(AuxCaptureError, match=r"kimi_k3_attn_res|_attn_res_kernel"):
+                KimiBackend(aux_stream="attn_res")(gm, [])
+        other = _hop_graph(_attn_res_kernel, True)
+        assert unrouted_calls(other.graph) == []
+        AuxStreamPass("attn_res").run(other.graph)
+    finally:
+        lib._destroy()
+
+
+def test_vllm_k3_kimi_backend_reads_vllms_served_drafter():
+    """``backend="kimi"`` as vLLM's STOCK_TORCH_COMPILE hands it (the name, no options),
+    first called under vLLM's current config (as vLLM's profile run is): the drafter vLLM
+    serves (speculative config, a stand-in: vLLM's needs a checkpoint) is checked."""
+    import types
+
+    from k3_helpers import inference_model, small_config, token_ids
+    from vllm.config import (
+        CompilationConfig,
+        CompilationMode,
+        VllmConfig,
+        set_current_vllm_config,
+    )
+
+    from kimi_passes import AuxCaptureError
+
+    cc = CompilationConfig(mode=CompilationMode.STOCK_TORCH_COMPILE, backend="kimi")
+    config = VllmConfig(compilation_config=cc)
+    backend = cc.init_backend(config)
+    cfg = small_config(2, 1, taps=(0, 1, 2))
+    ids = token_ids(cfg, 5)
+    # Declared (0, 2); the model taps 0, 1, 2: refused, naming vLLM's speculative config.
+    hf = types.SimpleNamespace(to_dict=lambda: {"eagle_aux_hidden_state_layer_ids": [0, 2]})
+    spec = types.SimpleNamespace(method="eagle3", compute_hash=lambda: "x",
+                                 draft_model_config=types.SimpleNamespace(hf_config=hf))
+    object.__setattr__(config, "speculative_config", spec)
+    torch._dynamo.reset()
+    compiled = torch.compile(inference_model(cfg), backend=backend, fullgraph=True)
+    with set_current_vllm_config(config), torch.no_grad(), pytest.raises(
+            AuxCaptureError, match=r"declares capture ids \[0, 2\] .*vLLM serves \(eagle3"):
+        compiled(ids)

@@ -4,6 +4,8 @@
 - ``served``: the per-graph check that a graph taps exactly the declared ids it owns;
 - ``consumer``: which AttnRes call of a post-grad graph reads a tap's value;
 - ``capture``: which returned values are taps with no marker (vLLM's K3 forward);
+- ``unrouted``: vLLM's own K3 ``attn_res`` (not routed to ``kimi::attn_res``) refused under
+  the attn_res stream;
 - ``aux_stream``: ``AuxStreamPass``, which rewrites every marker to its stream's value or
   refuses at compile time (docs/design.md section 4).
 

@@ -36,7 +36,8 @@ captures it (a second read of the bank; for A/B and benchmarks).
 Refused with ``AuxCaptureError`` (at compile time, never a silent fallback): a
 tap with no consumer in the graph (the end of a non-final pipeline stage), a
 consumer whose layer or ``num_blocks`` contradicts the capture id, two taps
-claiming one id, markers in a graph with no AttnRes op, an unmarked value two capture
+claiming one id, markers in a graph with no AttnRes op, vLLM's K3 ``attn_res`` not routed
+to ``kimi::attn_res`` (``"attn_res"`` stream; ``taps/unrouted.py``), an unmarked value two capture
 consumers read (``"attn_res"`` stream), and a marker contradicting an unmarked tap. A tap
 cut off from its consumer by a graph break names the break; under a host that compiles the
 model in pieces (vLLM), the splitting ops. With a drafter config (``drafter``), a graph
@@ -81,6 +82,7 @@ from kimi_passes.taps.capture import (
 )
 from kimi_passes.taps.consumer import find_consumers
 from kimi_passes.taps.served import DrafterCheck
+from kimi_passes.taps.unrouted import check_unrouted
 
 kimi = torch.ops.kimi
 
@@ -157,6 +159,7 @@ class AuxStreamPass(KimiGraphPass):
 
     def run(self, graph: torch.fx.Graph) -> list[str]:
         check_host_key(self)
+        check_unrouted(graph, self.stream)  # vLLM's own K3 attn_res: no captures to find
         lines = self._rewrite_taps(graph)
         if not _warned_alone and _installed_alone(self) and has_cpu_kimi_call(graph):
             _warn_alone()
