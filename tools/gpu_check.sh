@@ -36,7 +36,9 @@
 #      stand-ins for attention and MoE) at H=7168, 6 layers, T = 1, 8, 256, bf16: vLLM's
 #      attn_res (Triton; torch.ops._C.kimi_k3_attn_res where vLLM takes it) with
 #      VLLM_KIMI_K3_AUX_ATTN_RES_STREAM off, on, on compiled by Inductor, against the kimi
-#      pass (the plugin's route, kimi_backend): aux error vs vLLM's flag-on output and time
+#      pass (the plugin's route, kimi_backend): aux error vs vLLM's flag-on output and time;
+#      first, vLLM's attn_res left unrouted under kimi_backend: refused (AuxCaptureError)
+#      in the attn_res stream, runs in the prefix stream (Dynamo's real trace of the launch)
 #      (tools/vllm_k3_gpu.py; skipped, with the reason printed, where vLLM is not installed)
 #   6. (if time is left) the tap section on CUDA with a small K3
 #   7. (if time is left) peers at a power-of-two width (flash-attn-res needs one) and fp32

@@ -13,6 +13,9 @@ time per forward (CUDA events, the rows interleaved round by round, median of ro
 - ``kimi pass``: the route users get (``kimi_passes.vllm_k3``: ``kimi::attn_res``), flag
   off, compiled with ``kimi_backend`` (attn_res stream): one dynamic compile for every T.
 
+First, on CUDA: vLLM's own ``attn_res`` left unrouted and compiled with ``kimi_backend``
+is refused under the attn_res stream and runs under the prefix stream.
+
 Without vLLM it prints why and exits 0. ``python tools/vllm_k3_gpu.py --device cpu
 --hidden 64 --T 4 --rounds 1`` runs it here (vLLM's kernel interpreted: slow).
 """
@@ -87,6 +90,9 @@ def main(argv=None) -> int:
                 route.unroute_attn_res()
 
     truth = {T: h.aux_of(forward(model(True), True, T, "vllm")) for T in args.T}
+    failed: list[dict] = []
+    if args.device == "cuda":  # Dynamo traces vLLM's Triton launch only where it is compiled
+        failed += unrouted_check(model, forward, args.T[0])
     torch._dynamo.reset()
     compiled_on = torch.compile(model(True), backend="inductor", fullgraph=True)
     os.environ[route.ENV_VAR] = "attn_res"
@@ -96,7 +102,6 @@ def main(argv=None) -> int:
             "vllm on, compiled": (compiled_on, True, "vllm"),
             "kimi pass": (ours, False, "kimi")}
     results: list[dict] = []
-    failed: list[dict] = []
     for T in args.T:
         times: dict[str, list[float]] = {name: [] for name in rows}
         errors = {}
@@ -133,6 +138,37 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": results, "failed": failed}, indent=1))
     return 1 if failed else 0
+
+
+def unrouted_check(model, forward, T) -> list[dict]:
+    """vLLM's own ``attn_res`` left unrouted, compiled with ``kimi_backend``: the attn_res
+    stream must refuse it (``kimi_passes/taps/unrouted.py``: the Triton launch as Dynamo
+    records it, or ``_C::kimi_k3_attn_res``), the prefix stream must compile and run."""
+    import torch
+
+    import kimi_passes
+    from kimi_passes import AuxCaptureError
+
+    failed = []
+    for stream in ("attn_res", "prefix"):
+        torch._dynamo.reset()
+        m = torch.compile(model(False), backend=kimi_passes.make_kimi_backend(stream),
+                          fullgraph=True)
+        got: Exception | None = None
+        try:
+            forward(m, False, T, "vllm")
+        except Exception as e:  # noqa: BLE001  (reported below, not hidden)
+            got = e
+        refused = isinstance(got, AuxCaptureError)
+        ok = refused if stream == "attn_res" else got is None
+        line = "refused" if refused else ("ran" if got is None else f"{type(got).__name__}")
+        detail = str(got).splitlines()[0][:300] if got is not None else ""
+        print(f"unrouted vLLM attn_res, {stream} stream: {line} "
+              f"({'as expected' if ok else 'UNEXPECTED'}) {detail}")
+        if not ok:
+            failed.append({"T": T, "row": f"unrouted, {stream} stream",
+                           "error": f"{line}: {detail}"})
+    return failed
 
 
 if __name__ == "__main__":
