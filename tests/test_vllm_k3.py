@@ -200,15 +200,23 @@ def test_vllm_k3_route_is_vllms_own_kernel(routed):
 def test_vllm_k3_nvidia_as_vllm_stock_torch_compile_flag_off_and_on(routed, monkeypatch):
     """``CompilationMode.STOCK_TORCH_COMPILE`` with ``backend="kimi"``: vLLM resolves the
     backend (``init_backend``) and compiles the model as its GPU model runner does; the
-    stream is ``$KIMI_PASSES_AUX_STREAM`` (set, as the route needs)."""
-    from vllm.config import CompilationConfig, CompilationMode, VllmConfig
+    stream is ``$KIMI_PASSES_AUX_STREAM`` (set, as the route needs); the drafter is the one
+    vLLM serves (``served_config``: the capture ids declared), read by the backend under
+    vLLM's current config as in vLLM's profile run."""
+    from vllm.config import (
+        CompilationConfig,
+        CompilationMode,
+        VllmConfig,
+        set_current_vllm_config,
+    )
 
     import kimi_passes.backend
     from kimi_passes import pipeline
 
     monkeypatch.setenv(ENV_VAR, "attn_res")
     cc = CompilationConfig(mode=CompilationMode.STOCK_TORCH_COMPILE, backend="kimi")
-    backend = cc.init_backend(VllmConfig(compilation_config=cc))
+    config = served_config(VllmConfig(compilation_config=cc), CAPTURE)
+    backend = cc.init_backend(config)
     assert backend == "kimi"
     calls = {}
     for on in (False, True):
@@ -221,7 +229,8 @@ def test_vllm_k3_nvidia_as_vllm_stock_torch_compile_flag_off_and_on(routed, monk
 
         torch._dynamo.reset()
         with h.flag(on), mock.patch.object(kimi_passes.backend, "pass_manager", pass_manager), \
-                torch.fx.experimental._config.patch(backed_size_oblivious=True):
+                torch.fx.experimental._config.patch(backed_size_oblivious=True), \
+                set_current_vllm_config(config):
             model = h.build(SPEC, h.weights(SPEC), CAPTURE)
             model.compile(fullgraph=True, backend=backend)
             run_ts(model, torch.float32, f"STOCK_TORCH_COMPILE, flag {on}")
@@ -365,12 +374,23 @@ def test_vllm_k3_unrouted_attn_res_refused_under_attn_res_stream():
         lib._destroy()
 
 
+def served_config(config, ids):
+    """``config`` serving an eagle3 drafter that declares capture ids ``ids`` (a stand-in
+    speculative config: vLLM's SpeculativeConfig needs a drafter checkpoint to build)."""
+    import types
+
+    hf = types.SimpleNamespace(to_dict=lambda: {"eagle_aux_hidden_state_layer_ids": list(ids)})
+    spec = types.SimpleNamespace(method="eagle3", compute_hash=lambda: f"eagle3{ids}",
+                                 use_ngram_gpu=lambda: False,
+                                 draft_model_config=types.SimpleNamespace(hf_config=hf))
+    object.__setattr__(config, "speculative_config", spec)
+    return config
+
+
 def test_vllm_k3_kimi_backend_reads_vllms_served_drafter():
     """``backend="kimi"`` as vLLM's STOCK_TORCH_COMPILE hands it (the name, no options),
     first called under vLLM's current config (as vLLM's profile run is): the drafter vLLM
-    serves (speculative config, a stand-in: vLLM's needs a checkpoint) is checked."""
-    import types
-
+    serves is checked (the heavy STOCK_TORCH_COMPILE test serves a matching one)."""
     from k3_helpers import inference_model, small_config, token_ids
     from vllm.config import (
         CompilationConfig,
@@ -387,10 +407,7 @@ def test_vllm_k3_kimi_backend_reads_vllms_served_drafter():
     cfg = small_config(2, 1, taps=(0, 1, 2))
     ids = token_ids(cfg, 5)
     # Declared (0, 2); the model taps 0, 1, 2: refused, naming vLLM's speculative config.
-    hf = types.SimpleNamespace(to_dict=lambda: {"eagle_aux_hidden_state_layer_ids": [0, 2]})
-    spec = types.SimpleNamespace(method="eagle3", compute_hash=lambda: "x",
-                                 draft_model_config=types.SimpleNamespace(hf_config=hf))
-    object.__setattr__(config, "speculative_config", spec)
+    served_config(config, (0, 2))
     torch._dynamo.reset()
     compiled = torch.compile(inference_model(cfg), backend=backend, fullgraph=True)
     with set_current_vllm_config(config), torch.no_grad(), pytest.raises(
