@@ -119,4 +119,5 @@ def check_unrouted(graph: torch.fx.Graph, stream: str) -> None:
         "kimi::attn_res before the model is built; if $VLLM_PLUGINS is set, it must list "
         "kimi_passes; without the package metadata call kimi_passes.vllm_k3.register() "
         "after importing vLLM), or request aux_stream='prefix' to serve vLLM's own values. "
-        "docs/reference.md, \"vLLM's Kimi K3\"")
+        "Serving no drafter, the kimi passes have nothing to do in this graph: compile with "
+        "backend='inductor'. docs/reference.md, \"vLLM's Kimi K3\"")
