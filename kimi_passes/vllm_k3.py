@@ -25,6 +25,11 @@ Routed, the values are ``kimi::attn_res``'s: the same arithmetic as vLLM's kerne
 bit for bit (fp32: within 5e-6 of vLLM's Triton kernel on its K3 forward, measured on
 CPU with the kernel interpreted; tests/test_vllm_k3.py).
 
+Left unrouted (the variable unset, or ``$VLLM_PLUGINS`` without ``kimi_passes``), vLLM's
+own ``attn_res`` in a graph compiled under the attn_res stream is an ``AuxCaptureError``
+(``kimi_passes/taps/unrouted.py``). ``backend="kimi"`` cannot switch the route on itself:
+vLLM loads its general plugins before its config exists.
+
 Not routed: ``quant_dtype`` (the ROCm path's FP8 output) raises, naming this route;
 sequence parallelism's aux states (``cat``, all-gathered and split) are out of scope.
 """
