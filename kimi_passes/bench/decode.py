@@ -213,10 +213,12 @@ def _inductor_again(gm, example_inputs):
 
 
 def run(names, tokens, dynamic: bool, timer: CpuTimer, out=sys.stdout,
-        device: str = "cpu", control: bool = False, stacks=STACKS) -> list[dict]:
+        device: str = "cpu", control: bool = False, stacks=STACKS,
+        ops: bool = True) -> list[dict]:
     rows = []
-    backends: dict[str, Callable] = {"kimi": make_kimi_backend(),
-                                     "kimi-ops": make_kimi_backend(lower_kimi_ops=False)}
+    backends: dict[str, Callable] = {"kimi": make_kimi_backend()}
+    if ops:
+        backends["kimi-ops"] = make_kimi_backend(lower_kimi_ops=False)
     if control:
         backends["control"] = _inductor_again
     compiled_models: dict = {}
@@ -250,7 +252,8 @@ def run(names, tokens, dynamic: bool, timer: CpuTimer, out=sys.stdout,
         rows.append(row)
         r = row["ratio"]
         print(f"{name:9} {shape:9} {row['ms']['inductor']:12.3f} {row['ms']['kimi']:9.3f} "
-              f"{_fmt(r['kimi']):>20} {row['ms']['kimi-ops']:12.3f} {_fmt(r['kimi-ops']):>20}"
+              f"{_fmt(r['kimi']):>20} {row['ms'].get('kimi-ops', float('nan')):12.3f} "
+              f"{_fmt(r['kimi-ops']) if ops else '-':>20}"
               + (f" {_fmt(r['control']):>20}" if control else ""), file=out, flush=True)
     return rows
 
@@ -283,6 +286,8 @@ def main(argv=None) -> int:
     p.add_argument("--block-ms", type=float, default=40.0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu", help="cpu, or cuda (tools/gpu_check.sh)")
+    p.add_argument("--no-ops", action="store_true",
+                   help="skip kimi-ops (the op calls kept: slow to compile and to run)")
     p.add_argument("--control", action="store_true",
                    help="also time plain Inductor compiled again: identical code's ratio")
     a = p.parse_args(argv)
@@ -299,7 +304,8 @@ def main(argv=None) -> int:
             parse_stack(spec)
         except ValueError as e:
             p.error(str(e))
-    run(names, a.T, a.dynamic, timer, device=a.device, control=a.control, stacks=a.stacks)
+    run(names, a.T, a.dynamic, timer, device=a.device, control=a.control, stacks=a.stacks,
+        ops=not a.no_ops)
     return 0
 
 
