@@ -285,6 +285,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--block-ms", type=float, default=40.0)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--cpu-time", action="store_true",
+                   help="time samples in process CPU time, not wall time (a loaded machine)")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (tools/gpu_check.sh)")
     p.add_argument("--no-ops", action="store_true",
                    help="skip kimi-ops (the op calls kept: slow to compile and to run)")
@@ -296,9 +298,11 @@ def main(argv=None) -> int:
     bad = [m for m in names if m not in MODELS]
     if bad:
         p.error(f"unknown model(s) {bad}; choose from {list(MODELS)}")
-    timer = CpuTimer(rounds=a.rounds, block_s=a.block_ms / 1e3, threads=a.threads)
+    timer = CpuTimer(rounds=a.rounds, block_s=a.block_ms / 1e3, threads=a.threads,
+                     cpu_time=a.cpu_time)
     print(f"torch {torch.__version__}, {a.device}, {a.threads} thread(s), "
-          f"{'dynamic' if a.dynamic else 'static'} shapes; ratio = t(plain Inductor) / t(x)")
+          f"{'dynamic' if a.dynamic else 'static'} shapes, "
+          f"{'CPU' if a.cpu_time else 'wall'} time; ratio = t(plain Inductor) / t(x)")
     for spec in a.stacks:
         try:
             parse_stack(spec)
