@@ -32,6 +32,11 @@ Models (inference, ``torch.no_grad()``):
 code under a backend of its own): its ratio is what identical code measures against
 itself on this machine, in the same rounds, so a row's ratio can be read against it.
 
+``--cpu-time`` times samples in process CPU time rather than wall time: on a machine
+loaded past its cores, wall-time samples hold the neighbours' time slices (the control
+then reads anywhere from 0.15x to 9x), CPU time does not. ``--no-ops`` leaves out
+``kimi-ops``.
+
 ``--dynamic``: one graph compiled with a dynamic token dimension serves every T (as vLLM
 compiles it); default: one static graph per T. ``--device cuda`` runs the models on the
 GPU (a sample is a synchronised step: wall time, launches included; ``kimi`` and
