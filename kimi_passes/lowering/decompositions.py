@@ -3,7 +3,8 @@
 Each function is the op's math (docs/design.md section 3) written for Inductor, not for
 eager: no stacked copy of the sources (each source is read where it lies, twice: once
 for its logit, once for the weighted sum; the bank's slots as one strided view), the
-logits as reductions over H, a softmax over the few per-row logits, fp32 accumulation and
+logits as reductions over H, the softmax written out over the sources (no softmax op, no
+cat of the logits: ``mixture``), fp32 accumulation and
 one rounding to the output dtype. Inductor fuses them with the neighbouring ops (the
 prefix add, the block write, the output norm, the next sublayer).
 
