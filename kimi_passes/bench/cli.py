@@ -72,7 +72,7 @@ class Config:
             self.timer = CpuTimer(rounds=a.rounds or (5 if quick else 9),
                                   block_s=a.block_ms / 1e3 if a.block_ms else
                                   (0.01 if quick else 0.04), threads=threads,
-                                  max_s=3.0 if quick else 20.0)
+                                  max_s=3.0 if quick else 20.0, cpu_time=a.cpu_time)
         if quick:
             self.tap_layers, self.tap_hidden, self.tap_block, self.tap_T = 4, 256, 2, 64
         else:
@@ -83,7 +83,7 @@ class Config:
         self.tap_timer = (CudaTimer(rounds=a.rounds or 15, reps=5, device=self.device) if cuda
                           else CpuTimer(rounds=a.rounds or (7 if quick else 21),
                                         block_s=0.05 if quick else 0.25, threads=threads,
-                                        max_s=10.0 if quick else 90.0))
+                                        max_s=10.0 if quick else 90.0, cpu_time=a.cpu_time))
         #: The op section's timer while the tap section runs (``main`` sets it).
         self.op_timer: CudaTimer | CpuTimer
         self.pass_layers = a.pass_layers or (16 if quick else 93)
@@ -125,6 +125,8 @@ def parse_args(argv):
     ap.add_argument("--rounds", type=int, help="interleaved rounds per measurement")
     ap.add_argument("--block-ms", type=float, help="CPU: milliseconds per timing sample")
     ap.add_argument("--threads", type=int, help="CPU: torch threads (default: torch's)")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="CPU: samples in process CPU time, not wall time (a loaded machine)")
     ap.add_argument("--tap-layers", type=int)
     ap.add_argument("--tap-hidden", type=int)
     ap.add_argument("--tap-T", type=int)

@@ -51,6 +51,11 @@ def format_report(results: dict) -> str:
               f"n={s['n']}]  tap err {tp['tap_max_rel_err_vs_ground_truth'][name]:.1e}")
         for key in ("attn_res_vs_prefix", "attn_res_vs_vllm_style", "vllm_style_vs_prefix"):
             w(f"   {key:>24}: {fmt_ratio(tp[key])}")
+        for name, cs in tp.get("generated_code", {}).items():
+            if cs:
+                w(f"   {name:>10} generated code: {cs['kernels']} kernels, {cs['allocations']} "
+                  f"allocations, {cs['extern_calls']} extern calls, {cs['loops_over_H']} loops "
+                  "over H")
         w("   per tap at op level (its consumer alone; + fused capture; + separate mix read):")
         for r in tp.get("per_tap_ops", []):
             w(f"   id {r['capture_id']:>3} nb={r['num_blocks']} write={r['block_write_idx']:>2} "

@@ -3,22 +3,37 @@
 One compiled reference K3 step with taps at the EAGLE3 capture ids served three ways:
 ``prefix`` stream, ``attn_res`` stream (fused: one extra ``[T,H]`` write per tap) and
 the vLLM-style capture (``attn_res`` stream, ``fuse_capture=False``: a separate
-``attn_res_mix`` read of the bank per tap). Targets: attn_res <= 1.02 x prefix, and
-attn_res faster than the separate read.
+``attn_res_mix`` read of the bank per tap). Targets: attn_res <= 1.02 x prefix and
+<= 1.02 x vLLM-style at step level, and the fused capture cheaper than the separate read
+at op level (each tap's consumer timed alone, with ``attn_res_capture``, and followed by
+the separate ``attn_res_mix``: the extra times summed over the taps).
+
+Why "faster than the separate read" is not a step-level target on CPU: ``LowerKimiOps``
+turns both the fused capture and the separate ``attn_res_mix`` into generated code, and
+Inductor fuses the separate read into the loops of its consumer, which read the same
+sources. At the quick size (L=4, H=256, T=64) both steps compile to 13 kernels, 28
+matmuls and 25 loops over H; the separate read adds 6 small buffer allocations (51
+against 45), a few microseconds of a step of tens of milliseconds, far below the spread
+of paired step ratios on a shared CPU (BENCHMARKS.md, table 2). A strict ``<`` at step
+level would be decided by noise, so the step is held to "no worse" (<= 1.02) and the
+saving is measured where it is resolved, at op level.
 """
 
 from __future__ import annotations
 
+import contextlib
+import re
 import statistics
 import time
 from typing import Any
+from unittest import mock
 
 import torch
 
 from kimi_passes.bench.harness import k3_input, ratio_summary, rel_err, summary, target
 
-# Target (docs/design.md section 5).
-TARGET_TAP_VS_PREFIX = 1.02  # attn_res stream step / prefix stream step
+# Targets (docs/design.md section 5).
+TARGET_TAP_VS_PREFIX = 1.02  # attn_res stream step / prefix (and / vLLM-style) step
 
 
 def _heads(H: int) -> int:
@@ -51,14 +66,16 @@ def bench_tap(cfg, log) -> dict:
     eager = K3Model(k3).to(cfg.device)
     with torch.no_grad():
         truth = eager.ground_truth(ids)[1]
-    compiled, hows, errs = {}, {}, {}
+    compiled, hows, errs, shapes = {}, {}, {}, {}
     for name, opts in ways.items():
         backend = make_kimi_backend(**opts)
         model = K3Model(k3).to(cfg.device)
         cm = torch.compile(model, backend=backend)
         t0 = time.perf_counter()
         with torch.no_grad():
-            _, taps = cm(ids)
+            with _output_code() as code:
+                _, taps = cm(ids)
+        shapes[name] = code_shape(code, H) if cfg.device.type == "cpu" else None
         log(f"  compiled {name} in {time.perf_counter() - t0:.1f}s")
         hows[name] = [f"{r.capture_id}: {r.how()}" for r in backend.aux_pass.last_rewrites]
         errs[name] = max(rel_err(a, b) for a, b in zip(taps, truth, strict=True))
@@ -77,6 +94,7 @@ def bench_tap(cfg, log) -> dict:
         "vllm_style_vs_prefix": ratio_summary(samples["vllm_style"], samples["prefix"]),
         "tap_max_rel_err_vs_ground_truth": errs,
         "rewrites": hows,
+        "generated_code": shapes,
     }
     res["per_tap_ops"] = _tap_ops(cfg, k3, log)
     extra = {way: sum(r[way]["extra_s"] for r in res["per_tap_ops"])
@@ -88,9 +106,36 @@ def bench_tap(cfg, log) -> dict:
         target("tap: attn_res step / prefix step", res["attn_res_vs_prefix"]["median"],
                TARGET_TAP_VS_PREFIX, "<="),
         target("tap: attn_res step / vLLM-style step", res["attn_res_vs_vllm_style"]["median"],
-               1.0, "<"),
+               TARGET_TAP_VS_PREFIX, "<="),
+        target("tap ops: fused capture's extra s - separate read's extra s (all taps)",
+               extra["fused"] - extra["separate"], 0.0, "<"),
     ]
     return res
+
+
+@contextlib.contextmanager
+def _output_code():
+    """The generated code of the graphs compiled inside (``run_and_get_code`` without its
+    ``torch._dynamo.reset()``, which would drop the other ways' compiled graphs)."""
+    from torch._inductor.graph import GraphLowering
+
+    code: list[str] = []
+    with mock.patch.object(GraphLowering, "save_output_code", code.append):
+        yield code
+
+
+def code_shape(code: list[str], H: int) -> dict | None:
+    """What a CPU step's generated code runs: its C++ kernels, buffer allocations and
+    extern calls (the matmuls) per step, and its loops over the hidden size (each a pass
+    over ``[.., H]`` rows). None when the graph came from a cache (no code to read)."""
+    if not code:
+        return None
+    text = "\n".join(code)
+    call = text[text.find("def call(self, args)"):]
+    return {"kernels": len(re.findall(r"\n\s+cpp_fused\w*\(", call)),
+            "allocations": call.count("empty_strided_cpu("),
+            "extern_calls": call.count("extern_kernels."),
+            "loops_over_H": text.count(f"<static_cast<int64_t>({H}L); x")}
 
 
 def _consumer_args(k, k3, T, device, seed=0):

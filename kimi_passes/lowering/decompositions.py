@@ -3,7 +3,8 @@
 Each function is the op's math (docs/design.md section 3) written for Inductor, not for
 eager: no stacked copy of the sources (each source is read where it lies, twice: once
 for its logit, once for the weighted sum; the bank's slots as one strided view), the
-logits as reductions over H, a softmax over the few per-row logits, fp32 accumulation and
+logits as reductions over H, the softmax written out over the sources (no softmax op, no
+cat of the logits: ``mixture``), fp32 accumulation and
 one rounding to the output dtype. Inductor fuses them with the neighbouring ops (the
 prefix add, the block write, the output norm, the next sublayer).
 
@@ -40,21 +41,35 @@ def _logits(v: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 def mixture(bank: torch.Tensor | None, extras: list[torch.Tensor], w: torch.Tensor,
             eps: float) -> torch.Tensor:
     """Pre-norm mixture (fp32) of ``bank``'s slots (``[T, n, H]``, a view: read in place)
-    then each of ``extras`` (``[T, H]``), with the folded query ``w`` (fp32)."""
-    parts = []
+    then each of ``extras`` (``[T, H]``), with the folded query ``w`` (fp32).
+
+    The softmax is written out over the sources, ``sum_j e_j v_j / sum_j e_j`` with
+    ``e_j = exp(logit_j - max_j logit_j)``: every step past the logits' reductions is a
+    pointwise op on ``[T, 1]`` values that Inductor inlines into the weighted sum, so a
+    site allocates only the reductions' outputs (an ``aten._softmax`` over a ``cat`` of
+    the logits costs a buffer for the cat, the max, the exponentials and their sum, and at
+    T = 1..8 those allocations cost more than the arithmetic; docs/design.md section 9).
+    """
+    values = [e.float() for e in extras]
+    logits = [_logits(v.unsqueeze(-2), w, eps) for v in values]  # each [T, 1]
+    m = None
     if bank is not None:
         bank = bank.float()
-        parts.append(_logits(bank, w, eps))  # [T, n]: one reduction over the bank
-    values = [e.float() for e in extras]
-    parts += [_logits(v, w, eps).unsqueeze(-1) for v in values]
-    p = torch.softmax(torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0], dim=-1)
-    n = 0 if bank is None else bank.shape[-2]
-    out = None if bank is None else (p[..., :n, None] * bank).sum(-2)
-    for i, v in enumerate(values):
-        term = p[..., n + i, None] * v
-        out = term if out is None else out + term
-    assert out is not None  # no source at all fails at parts[0] above
-    return out
+        bank_logits = _logits(bank, w, eps)  # [T, n]: one reduction over the bank
+        m = bank_logits.amax(-1, keepdim=True)
+    for logit in logits:
+        m = logit if m is None else torch.maximum(m, logit)
+    assert m is not None  # no source at all: the ops' checks refuse it before
+    num = den = None
+    if bank is not None:
+        e = torch.exp(bank_logits - m)
+        num, den = (e.unsqueeze(-1) * bank).sum(-2), e.sum(-1, keepdim=True)
+    for logit, v in zip(logits, values, strict=True):
+        e = torch.exp(logit - m)
+        num = e * v if num is None else num + e * v
+        den = e if den is None else den + e
+    assert num is not None and den is not None
+    return num / den
 
 
 def output_norm(mixed: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
