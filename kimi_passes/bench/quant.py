@@ -1,0 +1,93 @@
+"""Section ``quant``: an AttnRes site whose output a per-token FP8 quant reads, compiled
+whole, with the quant fused into the op (``fuse_quant=True``: one ``attn_res_quant``)
+against the same graph unfused (``fuse_quant=False``: ``attn_res``, then the quant).
+
+The site is K3's pre-attention mixing (delta, output norm; ``--quant-blocks`` completed
+blocks) in bf16 at ``--quant-H``; the quant is the AMD kernel's formula in plain torch
+(``scale = max(amax, 1e-10) * (1 / 448)``, float8_e4m3fn), which the pass recognises like
+vLLM's ``QuantFP8``. Per T, both graphs are compiled by ``kimi_backend`` (static shapes,
+the kimi ops lowered to generated code on CPU), checked to return the same fp8 bytes and
+scales, then timed in interleaved rounds (the op section's timer): ``speedup`` is
+t(unfused) / t(fused) per round (> 1: fusing is faster), median and interquartile range.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kimi_passes.bench.harness import ratio_summary, summary
+
+QUANT_MAX = 448.0
+
+
+def quantize(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's AMD K3 kernel's per-token quant, in plain torch (what a graph writes)."""
+    yf = y.float()
+    scale = yf.abs().amax(-1, keepdim=True).clamp(min=1e-10) * (1.0 / QUANT_MAX)
+    return (yf * (1.0 / scale)).clamp(-QUANT_MAX, QUANT_MAX).to(torch.float8_e4m3fn), scale
+
+
+def site(prefix, delta, bank, norm_weight, qk_weight, output_norm_weight, nb: int, eps: float):
+    """One mixing site and the quant of its output."""
+    y = torch.ops.kimi.attn_res(prefix, delta, bank, norm_weight, qk_weight, output_norm_weight,
+                                nb, -1, eps, eps)
+    return quantize(y)
+
+
+def site_inputs(T: int, H: int, nb: int, device, seed: int = 0) -> list:
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16).to(device)
+
+    return [rnd(T, H), rnd(T, H), rnd(T, nb + 1, H), 1 + 0.1 * rnd(H),
+            rnd(H, scale=2.0 / H**0.5), 1 + 0.1 * rnd(H)]
+
+
+def bench_quant(cfg, log) -> dict:
+    from kimi_passes import make_kimi_backend
+    from kimi_passes.quant import FuseQuantPass
+
+    H, nb, eps = cfg.quant_H, cfg.quant_blocks, 1e-6
+    rows = []
+    for T in cfg.quant_T:
+        inputs = site_inputs(T, H, nb, cfg.device)
+        compiled, fusions = {}, {}
+        for name, fuse in (("fused", True), ("unfused", False)):
+            backend = make_kimi_backend(fuse_quant=fuse)
+            torch._dynamo.reset()
+            fn = torch.compile(site, backend=backend, fullgraph=True, dynamic=False)
+            # The prefix is updated in place: each compiled graph gets its own inputs.
+            args = [x.clone() for x in inputs]
+            with torch.no_grad():
+                outs = fn(*args, nb, eps)
+            compiled[name] = (fn, args, outs)
+            quant = next((p for p in backend.passes.passes if isinstance(p, FuseQuantPass)),
+                         None)
+            fusions[name] = 0 if quant is None else sum(
+                f.skipped is None for f in quant.last_fusions)
+        (qf, sf), (qu, su) = compiled["fused"][2], compiled["unfused"][2]
+        same = bool(torch.equal(qf.view(torch.uint8), qu.view(torch.uint8))
+                    and torch.equal(sf, su))
+        if fusions["fused"] != 1 or fusions["unfused"] != 0:
+            raise RuntimeError(f"quant bench at T={T}: expected 1 fused site with fuse_quant "
+                               f"and none without, got {fusions}")
+        cands = {name: (lambda fn=fn, args=args: fn(*args, nb, eps))
+                 for name, (fn, args, _) in compiled.items()}
+        with torch.no_grad():
+            samples = cfg.timer.run(cands)
+        row: dict[str, Any] = {
+            "T": T, "H": H, "nb": nb, "dtype": "bfloat16", "quant": "AMD formula, e4m3fn",
+            "bytes_and_scales_equal": same,
+            "time_s": {name: summary(s) for name, s in samples.items()},
+            "speedup": ratio_summary(samples["unfused"], samples["fused"]),
+        }
+        rows.append(row)
+        sp = row["speedup"]
+        log(f"  T={T:5d} H={H} nb={nb}: fused {row['time_s']['fused']['median'] * 1e3:.3f}ms, "
+            f"unfused {row['time_s']['unfused']['median'] * 1e3:.3f}ms, "
+            f"unfused/fused {sp['median']:.2f} [{sp['q1']:.2f}-{sp['q3']:.2f}], "
+            f"bytes equal: {same}")
+    return {"rows": rows}
