@@ -304,8 +304,9 @@ PUBLIC = {
     "kimi_passes.ops": [
         "AttnResArgumentError", "attn_res", "attn_res_capture",
         "attn_res_capture_differentiable", "attn_res_capture_triton", "attn_res_differentiable",
-        "attn_res_mix", "attn_res_mix_reference", "attn_res_mix_triton", "attn_res_reference",
-        "attn_res_triton", "aux_tap_op"],
+        "attn_res_mix", "attn_res_mix_reference", "attn_res_mix_triton", "attn_res_quant",
+        "attn_res_quant_capture", "attn_res_quant_capture_triton", "attn_res_quant_triton",
+        "attn_res_reference", "attn_res_triton", "aux_tap_op", "quant_fp8_constants"],
     "kimi_passes.bench": ["main", "bench_op", "bench_tap", "bench_pass", "bench_compile"],
 }
 #: Needs vLLM (skipped without it).
