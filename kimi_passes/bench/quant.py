@@ -58,7 +58,7 @@ def bench_quant(cfg, log) -> dict:
         for name, fuse in (("fused", True), ("unfused", False)):
             backend = make_kimi_backend(fuse_quant=fuse)
             torch._dynamo.reset()
-            fn = torch.compile(site, backend=backend, fullgraph=True, dynamic=False)
+            fn: Any = torch.compile(site, backend=backend, fullgraph=True, dynamic=False)
             # The prefix is updated in place: each compiled graph gets its own inputs.
             args = [x.clone() for x in inputs]
             with torch.no_grad():

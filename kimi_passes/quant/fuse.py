@@ -47,7 +47,7 @@ import torch
 from torch.fx import Graph, Node
 
 from kimi_passes.passes.base import KimiGraphPass
-from kimi_passes.passes.fx_toolkit import call_function, getitem
+from kimi_passes.passes.fx_toolkit import INPUT_CONSTRAINTS, call_function, getitem
 from kimi_passes.passes.kimi_calls import ATTN_RES_OPS, AttnResCall
 from kimi_passes.quant.recognise import QuantSite, find_quants
 
@@ -122,11 +122,25 @@ def _quant_op(op):
     return kimi.attn_res_quant.default
 
 
+def _extend_input_constraints(new: Node, old: Node, added: dict) -> None:
+    """The trace-time input values of ``old``, plus the quant's, on ``new``: Inductor reads
+    them per argument (exact strides for the op's inputs; ``call_function`` copies them
+    only when the arguments are the same)."""
+    recorded = old.meta.get(INPUT_CONSTRAINTS)
+    new.meta.pop(INPUT_CONSTRAINTS, None)
+    if recorded is None:
+        return
+    args, kwargs = recorded
+    values = {k: v.meta["val"] if isinstance(v, Node) else v for k, v in added.items()}
+    new.meta[INPUT_CONSTRAINTS] = (args, {**kwargs, **values})
+
+
 def _fuse(graph: Graph, call: AttnResCall, site: QuantSite) -> None:
     old = call.node
     kwargs = {**old.kwargs, **site.params.op_kwargs()}
     new = call_function(graph, old.target, (_quant_op(call.op),), kwargs, before=old,
                         stands_for=old)
+    _extend_input_constraints(new, old, site.params.op_kwargs())
     site.out.replace_all_uses_with(getitem(new, 0))
     site.scale.replace_all_uses_with(getitem(new, 1))
     # Every output after the first moves one place for the scales (v1 and v2 alike); the

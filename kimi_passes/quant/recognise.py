@@ -17,7 +17,8 @@ The AMD kernel's formula in plain torch (vLLM's ROCm K3 AttnRes quant)::
     s = mul(a, 1 / QUANT_MAX);  out = convert(clamp(mul(xf, reciprocal(s)), ...), fp8)
 
 vLLM's CUDA op, functionalized: ``auto_functionalized(_C.dynamic_per_token_scaled_fp8_quant,
-result=empty, input=x, scale=empty, scale_ub=...)``: getitem 0 the values, 1 the scales.
+result=empty, input=x, scale=empty, scale_ub=...)``, whose new ``result`` and ``scale``
+are the values and the scales.
 Its kernel divides each value by the scale (``x / scale``) where the forms above and
 ``attn_res_quant`` multiply by the scale's reciprocal; the two round differently (about
 3 fp8 bytes in 10^4 differ on bf16 rows). The site is recognised and reported with
@@ -32,12 +33,16 @@ module knows, and is left as it is.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
+from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
 from torch.fx import Graph, Node
 
+from kimi_passes.ops.attn_res_args import AttnResArgs, AttnResQuantArgs
 from kimi_passes.passes.fx_toolkit import (
     AUTO_FUNCTIONALIZED,
     CASTS,
@@ -70,10 +75,20 @@ class QuantParams:
     scale_ub: Node | None
 
     def op_kwargs(self) -> dict:
-        """The op's quant arguments by name."""
-        return {"quant_dtype": self.quant_dtype, "quant_max": self.quant_max,
-                "amax_floor": self.amax_floor, "scale_floor": self.scale_floor,
-                "divide": self.divide, "scale_ub": self.scale_ub}
+        """The op's quant arguments by name (its record's fields after ``attn_res``'s)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def _check_fields() -> None:
+    """``QuantParams`` holds the op's quant fields, in the op's order."""
+    ours = tuple(f.name for f in dataclasses.fields(QuantParams))
+    theirs = AttnResQuantArgs._fields[len(AttnResArgs._fields):]
+    if ours != theirs:
+        raise TypeError(f"kimi_passes.quant: QuantParams {ours} disagrees with "
+                        f"AttnResQuantArgs' quant fields {theirs}")
+
+
+_check_fields()
 
 
 @dataclass
@@ -147,6 +162,11 @@ def _f32(x: float) -> float:
     return torch.tensor(x, dtype=torch.float32).item()
 
 
+def _node(value) -> Node:
+    _need(isinstance(value, Node))
+    return cast(Node, value)
+
+
 def _is(node, *targets) -> bool:
     return isinstance(node, Node) and node.op == "call_function" and node.target in targets
 
@@ -169,7 +189,7 @@ def _match_native(cast: Node) -> QuantSite | None:
     if qdtype not in FP8_DTYPES:
         return None
     try:
-        return _walk(cast, qdtype)  # type: ignore[arg-type]
+        return _walk(cast, qdtype)
     except _NoMatch:
         return None
 
@@ -183,13 +203,11 @@ def _walk(cast: Node, qdtype: torch.dtype) -> QuantSite:
     _need(_is(prod, aten.mul.Tensor) and len(prod.args) == 2)
     chain.take(prod)
     a, b = prod.args
-    recip = a if _is(a, aten.reciprocal.default) else b
-    values = b if recip is a else a
+    values = b if _is(a, aten.reciprocal.default) else a
+    recip = chain.take(a if values is b else b)
     _need(_is(recip, aten.reciprocal.default))
-    chain.take(recip)
     source = _widened_source(chain, values)
-    scale = recip.args[0]
-    _need(isinstance(scale, Node))
+    scale = _node(recip.args[0])
     divide, scale_floor, amax = _scale(chain, scale, qmax)
     amax_floor, scale_ub = _amax(chain, amax, source)
     _need(dtype_of(scale) == torch.float32)
@@ -221,7 +239,7 @@ def _widened_source(chain: _Chain, values) -> Node:
         src = values.args[0]
         _need(isinstance(src, Node) and is_lossless(dtype_of(src), torch.float32))
         chain.take(values)
-        return src  # type: ignore[return-value]
+        return src
     return values
 
 
@@ -262,7 +280,7 @@ def _amax(chain: _Chain, node, source: Node) -> tuple[float, Node | None]:
         keepdim = True
     _need(_is(node, aten.amax.default))
     dims = node.args[1] if len(node.args) > 1 else []
-    _need(list(dims) in ([-1], [1]))  # type: ignore[arg-type]
+    _need(list(dims) in ([-1], [1]))
     _need((len(node.args) > 2 and node.args[2] is True) != keepdim)
     absolute = chain.take(node.args[0])
     _need(_is(absolute, aten.abs.default))
@@ -271,7 +289,7 @@ def _amax(chain: _Chain, node, source: Node) -> tuple[float, Node | None]:
         _need(_cast_dtype(read) == torch.float32 and read.args[0] is source)  # type: ignore
         chain.take(read)
     _need(dtype_of(source) is not None and len(source.meta["val"].shape) == 2)
-    return floor, scale_ub  # type: ignore[return-value]
+    return floor, scale_ub
 
 
 # -- vLLM's CUDA op ------------------------------------------------------------------------
@@ -297,6 +315,11 @@ def _match_c_op(node: Node) -> QuantSite | None:
 def _c_outputs(node: Node) -> tuple[Node | None, Node | None, object]:
     """The getitems holding the op's new ``result`` and ``scale``, and its ``input``."""
     items = {u.args[1]: u for u in node.users if u.target is operator.getitem}
-    # v1 and v2 both return the op's outputs (none) then the mutated arguments' new
-    # values, in schema order: result, then scale.
-    return items.get(0), items.get(1), node.kwargs.get("input")
+    # v1 and v2 return the op's output (None: it returns nothing) then the mutated
+    # arguments' new values: v1 in schema order (result, scale), v2 in its bases' order.
+    if node.target is auto_functionalized_v2:
+        where = [1 + cast(int, node.kwargs.get(f"_{name}_base_index", -2))
+                 for name in ("result", "scale")]
+    else:
+        where = [1, 2]
+    return items.get(where[0]), items.get(where[1]), node.kwargs.get("input")
