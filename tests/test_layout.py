@@ -297,9 +297,11 @@ PUBLIC = {
         "DEBUG_ENV", "AttnResFusionPass", "FusedSite", "NearMiss", "NoMatch", "debug_enabled"],
     "kimi_passes.training": ["fuse_before_autograd", "needs_autograd"],
     "kimi_passes.lowering": ["LowerKimiOps"],
+    "kimi_passes.quant": ["FuseQuantPass", "QuantFusion", "QuantParams", "QuantSite",
+                          "find_quants"],
     "kimi_passes.debug": ["compat_load_by_key_path", "dump", "pass_dumps"],
     "kimi_passes.debug.recording": ["GraphRecorder", "graph_caches_off"],
-    "kimi_passes.graphs": ["K3Config", "K3Model", "attn_res_torch"],
+    "kimi_passes.graphs": ["K3Config", "K3Model", "attn_res_torch", "fp8_per_token"],
     "kimi_passes.graphs.k3": ["K3Config", "K3Model"],
     "kimi_passes.ops": [
         "AttnResArgumentError", "attn_res", "attn_res_capture",
@@ -307,7 +309,8 @@ PUBLIC = {
         "attn_res_mix", "attn_res_mix_reference", "attn_res_mix_triton", "attn_res_quant",
         "attn_res_quant_capture", "attn_res_quant_capture_triton", "attn_res_quant_triton",
         "attn_res_reference", "attn_res_triton", "aux_tap_op", "quant_fp8_constants"],
-    "kimi_passes.bench": ["main", "bench_op", "bench_tap", "bench_pass", "bench_compile"],
+    "kimi_passes.bench": ["main", "bench_op", "bench_tap", "bench_pass", "bench_compile",
+                          "bench_quant"],
 }
 #: Needs vLLM (skipped without it).
 PUBLIC_VLLM = {"kimi_passes.vllm": [

@@ -24,6 +24,7 @@ import torch
 from kimi_passes import make_kimi_backend
 from kimi_passes.debug.graph_text import kimi_op_counts
 from kimi_passes.debug.recording import GraphRecorder
+from kimi_passes.graphs.k3 import fp8_per_token
 from kimi_passes.quant import FuseQuantPass, recognise
 from kimi_passes.taps.marker import aux_tap
 
@@ -51,10 +52,7 @@ def attn_res(prefix, delta, bank, nw, qk, onw, nb=2):
 
 def amd_quant(y, dtype=torch.float8_e4m3fn):
     """vLLM's AMD K3 kernel's quant written in plain torch."""
-    qmax = FP8_MAX[dtype]
-    yf = y.float()
-    scale = yf.abs().amax(-1, keepdim=True).clamp(min=1e-10) * (1.0 / qmax)
-    return (yf * (1.0 / scale)).clamp(-qmax, qmax).to(dtype), scale
+    return fp8_per_token(y, dtype)
 
 
 def compile_both(fn, args, v2=True, fast=True, **options):

@@ -4,11 +4,12 @@ against the same graph unfused (``fuse_quant=False``: ``attn_res``, then the qua
 
 The site is K3's pre-attention mixing (delta, output norm; ``--quant-blocks`` completed
 blocks) in bf16 at ``--quant-H``; the quant is the AMD kernel's formula in plain torch
-(``scale = max(amax, 1e-10) * (1 / 448)``, float8_e4m3fn), which the pass recognises like
-vLLM's ``QuantFP8``. Per T, both graphs are compiled by ``kimi_backend`` (static shapes,
-the kimi ops lowered to generated code on CPU), checked to return the same fp8 bytes and
-scales, then timed in interleaved rounds (the op section's timer): ``speedup`` is
-t(unfused) / t(fused) per round (> 1: fusing is faster), median and interquartile range.
+(``graphs.k3.fp8_per_token``: ``scale = max(amax, 1e-10) * (1 / 448)``, float8_e4m3fn),
+which the pass recognises like vLLM's ``QuantFP8``. Per T, both graphs are compiled by
+``kimi_backend`` (static shapes, the kimi ops lowered to generated code on CPU), checked
+to return the same fp8 bytes and scales, then timed in interleaved rounds (the op
+section's timer): ``speedup`` is t(unfused) / t(fused) per round (> 1: fusing is
+faster), median and interquartile range.
 """
 
 from __future__ import annotations
@@ -18,22 +19,14 @@ from typing import Any
 import torch
 
 from kimi_passes.bench.harness import ratio_summary, summary
-
-QUANT_MAX = 448.0
-
-
-def quantize(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's AMD K3 kernel's per-token quant, in plain torch (what a graph writes)."""
-    yf = y.float()
-    scale = yf.abs().amax(-1, keepdim=True).clamp(min=1e-10) * (1.0 / QUANT_MAX)
-    return (yf * (1.0 / scale)).clamp(-QUANT_MAX, QUANT_MAX).to(torch.float8_e4m3fn), scale
+from kimi_passes.graphs.k3 import fp8_per_token
 
 
 def site(prefix, delta, bank, norm_weight, qk_weight, output_norm_weight, nb: int, eps: float):
     """One mixing site and the quant of its output."""
     y = torch.ops.kimi.attn_res(prefix, delta, bank, norm_weight, qk_weight, output_norm_weight,
                                 nb, -1, eps, eps)
-    return quantize(y)
+    return fp8_per_token(y)
 
 
 def site_inputs(T: int, H: int, nb: int, device, seed: int = 0) -> list:
