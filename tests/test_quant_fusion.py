@@ -299,3 +299,20 @@ def test_the_cuda_op_formula_differs_from_the_op_on_some_bytes():
     assert torch.equal(s, scale)
     differ = (q.view(torch.uint8) != out.view(torch.uint8)).sum().item()
     assert 0 < differ < out.numel() // 1000, differ
+
+
+# ------------------------------------------------------------------ CUDA (tools/gpu_check.sh)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("T", [1, 8, 64, 300])
+def test_cuda_fused_quant_gives_the_unfused_bytes(T):
+    """On CUDA the fused op's Triton epilogue against Inductor's Triton kernel for the
+    quant: the same fp8 bytes and scales (H=7168 bf16, both fp8 dtypes)."""
+    for dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+        def fn(*a, dtype=dtype):
+            return amd_quant(attn_res(*a), dtype)
+
+        args = [a.cuda() for a in site_inputs(T=T, H=7168, nb=8, seed=T)]
+        runs = compile_both(fn, args, fast=False)
+        check_fused(runs)
