@@ -236,6 +236,18 @@ def test_vllm_quant_fp8_native_fuses_bit_for_bit(quant_fp8, ub):
     assert ("scale_ub=None" in text) == (ub is None)
 
 
+@pytest.mark.vllm
+def test_the_vllm_pass_runs_fuse_quant_after_the_aux_pass():
+    from kimi_passes.vllm import compile_config_entries
+
+    def passes(**options):
+        entry = compile_config_entries(**options)["post_grad_custom_post_pass"]
+        return [type(p).__name__ for p in entry.manager.passes]
+
+    assert passes() == ["AttnResFusionPass", "AuxStreamPass", "FuseQuantPass"]
+    assert "FuseQuantPass" not in passes(fuse_quant=False)
+
+
 # ------------------------------------------------------------------ vLLM's CUDA op, a stand-in
 
 _lib = None
