@@ -55,7 +55,7 @@ def amd_quant(y, dtype=torch.float8_e4m3fn):
     return fp8_per_token(y, dtype)
 
 
-def compile_both(fn, args, v2=True, fast=True, **options):
+def compile_both(fn, args, v2=True, fast=True, dynamic=False, **options):
     """``fn`` compiled with fuse_quant on and off: {True: (outputs, recorder), False: ...};
     each compile gets its own copy of ``args`` (the op updates the prefix in place)."""
     out = {}
@@ -64,7 +64,7 @@ def compile_both(fn, args, v2=True, fast=True, **options):
                                               **options))
         torch._dynamo.reset()
         with torch._inductor.config.patch(enable_auto_functionalized_v2=v2), torch.no_grad():
-            res = torch.compile(fn, backend=rec, fullgraph=True)(*[
+            res = torch.compile(fn, backend=rec, fullgraph=True, dynamic=dynamic or None)(*[
                 a.clone() if isinstance(a, torch.Tensor) else a for a in args])
         out[fuse] = (res, rec)
     return out
@@ -126,6 +126,15 @@ def test_amd_formula_fuses_with_generated_cpu_code_and_v1():
 
     check_fused(compile_both(fn, site_inputs(T=40, H=96), v2=False, fast=False,
                              lower_kimi_ops=False))
+
+
+def test_dynamic_tokens_fuse():
+    """A graph with a dynamic token count (how vLLM compiles) fuses the same way."""
+    def fn(*a):
+        return amd_quant(attn_res(*a))
+
+    rec = check_fused(compile_both(fn, site_inputs(T=7), dynamic=True))
+    assert "bf16[s0, s1]" in rec.last.text("skeleton")
 
 
 def test_an_output_with_another_reader_is_not_fused(caplog):

@@ -48,7 +48,7 @@ from torch.fx import Graph, Node
 
 from kimi_passes.passes.base import KimiGraphPass
 from kimi_passes.passes.fx_toolkit import INPUT_CONSTRAINTS, call_function, getitem
-from kimi_passes.passes.kimi_calls import ATTN_RES_OPS, AttnResCall
+from kimi_passes.passes.kimi_calls import AttnResCall
 from kimi_passes.quant.recognise import QuantSite, find_quants
 
 kimi = torch.ops.kimi
@@ -98,7 +98,7 @@ def _producer(source: Node) -> AttnResCall | None:
         return None
     node, index = source.args
     if index != 0 or not isinstance(node, Node) or not node.args or \
-            node.args[0] not in ATTN_RES_OPS:
+            node.args[0] not in _QUANT_OF:
         return None
     return AttnResCall(node)
 
@@ -115,11 +115,9 @@ def _why_not(site: QuantSite, call: AttnResCall) -> str | None:
     return None
 
 
-def _quant_op(op):
-    """The quantizing op that stands for ``op`` (looked up when used)."""
-    if op is kimi.attn_res_capture.default:
-        return kimi.attn_res_quant_capture.default
-    return kimi.attn_res_quant.default
+#: The quantizing op that stands for each unquantized one.
+_QUANT_OF = {kimi.attn_res.default: kimi.attn_res_quant.default,
+             kimi.attn_res_capture.default: kimi.attn_res_quant_capture.default}
 
 
 def _extend_input_constraints(new: Node, old: Node, added: dict) -> None:
@@ -138,7 +136,7 @@ def _extend_input_constraints(new: Node, old: Node, added: dict) -> None:
 def _fuse(graph: Graph, call: AttnResCall, site: QuantSite) -> None:
     old = call.node
     kwargs = {**old.kwargs, **site.params.op_kwargs()}
-    new = call_function(graph, old.target, (_quant_op(call.op),), kwargs, before=old,
+    new = call_function(graph, old.target, (_QUANT_OF[call.op],), kwargs, before=old,
                         stands_for=old)
     _extend_input_constraints(new, old, site.params.op_kwargs())
     site.out.replace_all_uses_with(getitem(new, 0))
