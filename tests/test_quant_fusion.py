@@ -118,14 +118,27 @@ def test_amd_formula_fuses_bit_for_bit(dtype):
     assert "divide=False" in text and "amax_floor=1e-10" in text
 
 
-def test_amd_formula_fuses_with_generated_cpu_code_and_v1():
-    """Full C++ codegen for the unfused quant (Inductor's vectorised kernels), and an
-    ``auto_functionalized`` (v1) call, vLLM's default."""
+def test_generated_cpu_code_and_v1_give_eager_bytes():
+    """Full C++ codegen (the kimi ops lowered, the quant Inductor's), on an
+    ``auto_functionalized`` (v1) call, vLLM's default. The fused graph gives eager's bytes.
+    Inductor's C++ backend by default quantizes the unfused graph's AttnRes output before
+    rounding it to bf16 (it reuses the fp32 value of the bf16 store: Inductor's
+    ``emulate_precision_casts`` is off), so fused and unfused are compared with
+    ``emulate_precision_casts=True``, under which the unfused graph gives eager's bytes too."""
     def fn(*a):
         return amd_quant(attn_res(*a))
 
-    check_fused(compile_both(fn, site_inputs(T=40, H=96), v2=False, fast=False,
-                             lower_kimi_ops=False))
+    args = site_inputs(T=40, H=96)
+    eager = fn(*[a.clone() for a in args])
+    runs = compile_both(fn, args, v2=False, fast=False, emulate_precision_casts=True)
+    check_fused(runs)
+    assert_same_bytes(runs[True][0], eager)
+    rec = GraphRecorder(make_kimi_backend())
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(enable_auto_functionalized_v2=False), torch.no_grad():
+        fused = torch.compile(fn, backend=rec, fullgraph=True)(*[a.clone() for a in args])
+    assert [f.skipped for f in fusions(rec)] == [None]
+    assert_same_bytes(fused, eager)
 
 
 def test_dynamic_tokens_fuse():
