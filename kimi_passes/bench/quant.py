@@ -9,8 +9,8 @@ which the pass recognises like vLLM's ``QuantFP8``. Per T, both graphs are compi
 ``kimi_backend`` (static shapes, the kimi ops lowered to generated code on CPU, Inductor's
 ``emulate_precision_casts`` on: without it Inductor's C++ backend quantizes the unfused
 graph's unrounded fp32 output), checked to return the same fp8 bytes and scales, then
-timed in interleaved rounds (the op section's timer): ``speedup`` is t(unfused) / t(fused) per round (> 1: fusing is
-faster), median and interquartile range.
+timed in interleaved rounds (the op section's timer): ``speedup`` is t(unfused) /
+t(fused) per round (> 1: fusing is faster), median and interquartile range.
 """
 
 from __future__ import annotations
