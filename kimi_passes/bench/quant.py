@@ -41,49 +41,57 @@ def site_inputs(T: int, H: int, nb: int, device, seed: int = 0) -> list:
 
 
 def bench_quant(cfg, log) -> dict:
+    from kimi_passes.debug.recording import graph_caches_off
+
+    # Caches off: a cached graph would skip the passes this section counts (and the reset
+    # between compiles makes each compile again on its first timed call).
+    with graph_caches_off():
+        return {"rows": [_row(cfg, log, T) for T in cfg.quant_T]}
+
+
+#: The compiles timed per T: fuse_quant for each, and a second unfused compile (the
+#: control: what identical code measures against itself in the same rounds).
+WAYS = (("fused", True), ("unfused", False), ("control", False))
+
+
+def _row(cfg, log, T: int) -> dict:
     from kimi_passes import make_kimi_backend
     from kimi_passes.quant import FuseQuantPass
 
     H, nb, eps = cfg.quant_H, cfg.quant_blocks, 1e-6
-    rows = []
-    for T in cfg.quant_T:
-        inputs = site_inputs(T, H, nb, cfg.device)
-        compiled, fusions = {}, {}
-        for name, fuse in (("fused", True), ("unfused", False)):
-            # emulate_precision_casts: the unfused graph rounds the AttnRes output to bf16
-            # before its quant, as eager and the fused op do (docs/design.md section 10).
-            backend = make_kimi_backend(fuse_quant=fuse, emulate_precision_casts=True)
-            torch._dynamo.reset()
-            fn: Any = torch.compile(site, backend=backend, fullgraph=True, dynamic=False)
-            # The prefix is updated in place: each compiled graph gets its own inputs.
-            args = [x.clone() for x in inputs]
-            with torch.no_grad():
-                outs = fn(*args, nb, eps)
-            compiled[name] = (fn, args, outs)
-            quant = next((p for p in backend.passes.passes if isinstance(p, FuseQuantPass)),
-                         None)
-            fusions[name] = 0 if quant is None else sum(
-                f.skipped is None for f in quant.last_fusions)
-        (qf, sf), (qu, su) = compiled["fused"][2], compiled["unfused"][2]
-        same = bool(torch.equal(qf.view(torch.uint8), qu.view(torch.uint8))
-                    and torch.equal(sf, su))
-        if fusions["fused"] != 1 or fusions["unfused"] != 0:
-            raise RuntimeError(f"quant bench at T={T}: expected 1 fused site with fuse_quant "
-                               f"and none without, got {fusions}")
-        cands = {name: (lambda fn=fn, args=args: fn(*args, nb, eps))
-                 for name, (fn, args, _) in compiled.items()}
+    inputs = site_inputs(T, H, nb, cfg.device)
+    compiled, fusions = {}, {}
+    for name, fuse in WAYS:
+        # emulate_precision_casts: the unfused graph rounds the AttnRes output to bf16
+        # before its quant, as eager and the fused op do (docs/design.md section 10).
+        backend = make_kimi_backend(fuse_quant=fuse, emulate_precision_casts=True)
+        torch._dynamo.reset()
+        fn: Any = torch.compile(site, backend=backend, fullgraph=True, dynamic=False)
+        args = [x.clone() for x in inputs]  # the prefix is updated in place: own inputs
         with torch.no_grad():
-            samples = cfg.timer.run(cands)
-        row: dict[str, Any] = {
-            "T": T, "H": H, "nb": nb, "dtype": "bfloat16", "quant": "AMD formula, e4m3fn",
-            "bytes_and_scales_equal": same,
-            "time_s": {name: summary(s) for name, s in samples.items()},
-            "speedup": ratio_summary(samples["unfused"], samples["fused"]),
-        }
-        rows.append(row)
-        sp = row["speedup"]
-        log(f"  T={T:5d} H={H} nb={nb}: fused {row['time_s']['fused']['median'] * 1e3:.3f}ms, "
-            f"unfused {row['time_s']['unfused']['median'] * 1e3:.3f}ms, "
-            f"unfused/fused {sp['median']:.2f} [{sp['q1']:.2f}-{sp['q3']:.2f}], "
-            f"bytes equal: {same}")
-    return {"rows": rows}
+            outs = fn(*args, nb, eps)
+        compiled[name] = (fn, args, outs)
+        quant = next((p for p in backend.passes.passes if isinstance(p, FuseQuantPass)), None)
+        fusions[name] = 0 if quant is None else sum(f.skipped is None for f in quant.last_fusions)
+    if fusions != {"fused": 1, "unfused": 0, "control": 0}:
+        raise RuntimeError(f"quant bench at T={T}: expected 1 fused site with fuse_quant and "
+                           f"none without, got {fusions}")
+    (qf, sf), (qu, su) = compiled["fused"][2], compiled["unfused"][2]
+    same = bool(torch.equal(qf.view(torch.uint8), qu.view(torch.uint8)) and torch.equal(sf, su))
+    cands = {name: (lambda fn=fn, args=args: fn(*args, nb, eps))
+             for name, (fn, args, _) in compiled.items()}
+    with torch.no_grad():
+        samples = cfg.timer.run(cands)
+    row: dict[str, Any] = {
+        "T": T, "H": H, "nb": nb, "dtype": "bfloat16", "quant": "AMD formula, e4m3fn",
+        "bytes_and_scales_equal": same,
+        "time_s": {name: summary(s) for name, s in samples.items()},
+        "speedup": ratio_summary(samples["unfused"], samples["fused"]),
+        "control": ratio_summary(samples["unfused"], samples["control"]),
+    }
+    sp, ctl = row["speedup"], row["control"]
+    log(f"  T={T:5d} H={H} nb={nb}: fused {row['time_s']['fused']['median'] * 1e3:.3f}ms, "
+        f"unfused {row['time_s']['unfused']['median'] * 1e3:.3f}ms, "
+        f"unfused/fused {sp['median']:.2f} [{sp['q1']:.2f}-{sp['q3']:.2f}], "
+        f"control {ctl['median']:.2f} [{ctl['q1']:.2f}-{ctl['q3']:.2f}], bytes equal: {same}")
+    return row
