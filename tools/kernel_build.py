@@ -11,16 +11,21 @@ the cubin; a non-zero stack or local size is a spill (the kernels have no local 
 
 The backward (``ops/triton_backward.py``, its own ``launch_config``) is built the same way,
 one variant per non-empty set of gradients (``bwd:dprefix+dblocks+dw`` ... ``bwd:dw``), and
-so are the decode path's three launches (``ops/triton_decode.py``: ``dec-stats:*``,
-``dec-mix:*``, ``dec-norm:out``).
+so are the decode path's launches (``ops/triton_decode.py``: ``dec-stats:*``,
+``dec-mix:*``, ``dec-norm:*``, ``dec-quant:*``). ``attn_res_quant`` and its capture
+(``quant*`` variants, the FP8 epilogue of ``ops/triton_quant.py`` with ``scale_ub`` and the
+division) store ``float8_e4m3fn`` on sm_90, sm_100 and gfx950 and ``float8_e4m3fnuz`` on
+gfx942 (``fp8_type``), as vLLM runs those machines.
 
-Run (the whole matrix, 1224 builds, 996 distinct; ``--ci`` is the subset that
-tests/test_kernel_build.py builds: every forward variant at H = 7168 and 8192, elsewhere two
-of the forward's, and every backward variant and each decode launch's superset variant at
-every width, 612 builds, 444 of them distinct; build times: BENCHMARKS.md, "Offline kernel
-build"):
+Run (the whole matrix, 1944 builds, 1596 distinct; ``--ci`` is the subset that
+tests/test_kernel_build.py builds: every forward variant (the quant ones included) at
+H = 7168 and 8192, elsewhere three of the forward's, and every backward variant and each
+decode launch's superset variant at every width, 864 builds, 594 of them distinct; build
+times: BENCHMARKS.md, "Offline kernel build"; ``--only quant`` builds the quant variants
+alone):
 
-    python tools/kernel_build.py [--ci] [--jobs 2] [--json out.json] [--target gfx942]
+    python tools/kernel_build.py [--ci] [--only quant] [--jobs 2] [--json out.json] \
+                                 [--target gfx942]
 
 ``--target gfx942`` (or ``gfx950``) builds the same matrix for one AMD arch (``build_hip``).
 It prints one row per build and a summary per (target, dtype, H), and exits 1 when any build
@@ -172,12 +177,16 @@ def _op(variant: str) -> str:
 # The backward is built in every variant at every width: ptxas spilled it below that cap
 # (at 16 elements a thread: `bwd:dw` at 2048 and `bwd:dblocks` at 4096, fp32, sm_100, with
 # 96 and 80 registers), so no variant stands for the others.
+# The quant variants (attn_res_quant and its capture) are forward variants: every one at
+# 7168 / 8192 (up to 122 registers of the 128 there, fp32 on sm_90), the superset elsewhere.
 CI_VARIANTS = ("capture+delta+write+norm", "mix", "quant-capture+delta+write+norm")
 CI_ALL_VARIANTS_AT = (7168, 8192)
 # The decode kernels: 128 threads (a 255-register cap) and at most 72 registers in the full
 # matrix; CI builds each launch's superset variant at every width (each slice width).
+# The quant's launch D (at most 22 registers in the full matrix) joins them; launches B and
+# C with the quant (at most 72 and 28, the full matrix) are built there only.
 CI_DECODE_VARIANTS = ("dec-stats:delta+write", "dec-mix:out+mix+norm", "dec-norm:out",
-                      "dec-mix:quant+mix", "dec-norm:quant", "dec-quant:ub+div")
+                      "dec-quant:ub+div")
 
 
 def _kernel_module(backward: bool = False):
