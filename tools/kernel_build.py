@@ -85,7 +85,7 @@ _ELEM_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 def variants() -> list[tuple[str, dict]]:
     """Every flag set the op family launches: (name, flags)."""
-    out = []
+    out: list[tuple[str, dict]] = []
     for op, write_mix in (("attn_res", False), ("capture", True)):
         for delta in (True, False):
             for write in (True, False):
@@ -110,6 +110,10 @@ def variants() -> list[tuple[str, dict]]:
                                            HAS_OUT_NORM=norm, WRITE_OUT=True,
                                            WRITE_MIX=write_mix, QUANT=True, HAS_SCALE_UB=True,
                                            DIVIDE=True)))
+    # e4m3fnuz on an NVIDIA GPU (no such Triton type there): the bytes stored by bits.
+    out.append(("quant-fnuz+delta+write+norm", dict(
+        HAS_DELTA=True, DO_WRITE=True, HAS_OUT_NORM=True, WRITE_OUT=True, WRITE_MIX=True,
+        QUANT=True, HAS_SCALE_UB=True, DIVIDE=True, FP8_SOFT_RTNE=2)))
     # attn_res_mix_backward (ops/triton_backward.py): every non-empty set of gradients.
     for dprefix in (True, False):
         for dblocks in (True, False):
@@ -139,6 +143,7 @@ def variants() -> list[tuple[str, dict]]:
     out.append(("dec-norm:out", {}))
     out.append(("dec-norm:quant", dict(QUANT=True)))
     out.append(("dec-quant:ub+div", dict(HAS_SCALE_UB=True, DIVIDE=True)))
+    out.append(("dec-quant:ub+div+fnuz", dict(HAS_SCALE_UB=True, DIVIDE=True, FP8_SOFT_RTNE=2)))
     return out
 
 
@@ -186,7 +191,7 @@ CI_ALL_VARIANTS_AT = (7168, 8192)
 # The quant's launch D (at most 22 registers in the full matrix) joins them; launches B and
 # C with the quant (at most 72 and 28, the full matrix) are built there only.
 CI_DECODE_VARIANTS = ("dec-stats:delta+write", "dec-mix:out+mix+norm", "dec-norm:out",
-                      "dec-quant:ub+div")
+                      "dec-quant:ub+div", "dec-quant:ub+div+fnuz")
 
 
 def _kernel_module(backward: bool = False):
@@ -398,8 +403,9 @@ def _ast_source(fn, cfg: dict, variant: str, dtype: str, H: int, fp8: str = "fp8
         if name in ("dw_ptr", "stats_ptr", "part_ptr", "ms_ptr", "amax_ptr", "scale_ptr",
                     "scale_ub_ptr"):  # fp32 workspaces, the quant's scales
             signature[name], attrs[(i,)] = "*fp32", aligned
-        elif name == "q_ptr":  # the quant's FP8 output
-            signature[name], attrs[(i,)] = "*" + fp8, aligned
+        elif name == "q_ptr":  # the quant's FP8 output (its bytes, when stored by bits)
+            signature[name] = "*u8" if flags.get("FP8_SOFT_RTNE") else "*" + fp8
+            attrs[(i,)] = aligned
         elif name.endswith("_ptr"):
             signature[name], attrs[(i,)] = ptr, aligned
         elif name in ("eps", "out_eps", "qmax", "inv_qmax", "amax_floor", "scale_floor"):
@@ -418,9 +424,11 @@ def _ast_source(fn, cfg: dict, variant: str, dtype: str, H: int, fp8: str = "fp8
         constexprs["BF16_SOFT_RTNE"] = False
     if "LAUNCH_PDL" in fn.arg_names:  # opt-in (triton_kernels.pdl_launch): off unless asked
         constexprs.setdefault("LAUNCH_PDL", False)
-    for name in ("QUANT", "HAS_SCALE_UB", "DIVIDE", "FP8_SOFT_RTNE"):  # no quant unless asked
-        if name in fn.arg_names:  # FP8_SOFT_RTNE: the interpreter's rounding, never built
+    for name in ("QUANT", "HAS_SCALE_UB", "DIVIDE"):  # no quant unless asked
+        if name in fn.arg_names:
             constexprs.setdefault(name, False)
+    if "FP8_SOFT_RTNE" in fn.arg_names:  # 0: the hardware conversion; 2 stores e4m3fnuz by
+        constexprs.setdefault("FP8_SOFT_RTNE", 0)  # bits into uint8 (``--only`` fnuz-bits)
     missing = [n for n, t in signature.items() if t == "constexpr" and n not in constexprs]
     if missing:
         raise RuntimeError(f"kernel_build: no value for constexpr(s) {missing}; update "
