@@ -39,7 +39,14 @@ import triton
 import triton.language as tl
 
 from .triton_chunked import INTERPRETED, jit, load_updated_prefix, rounded, store_rounded
-from .triton_quant import quant_flags, quant_rows, quant_scalars, quant_scale, store_fp8
+from .triton_quant import (
+    fp8_target,
+    quant_flags,
+    quant_rows,
+    quant_scalars,
+    quant_scale,
+    store_fp8,
+)
 
 # The switch: rows per call at or below which a row is split, and the narrowest row split.
 DECODE_MAX_T = 64
@@ -353,7 +360,7 @@ def launch_decode(a, out, mixed, skip_idx: int, pdl: bool, quant=None) -> None:
     if quant is not None:
         flags = quant_flags(quant)
         QUANT_KERNEL[grid](
-            out, quant.data, quant.scale,
+            out, fp8_target(quant.data), quant.scale,
             quant.q.scale_ub if quant.q.scale_ub is not None else quant.scale, amax, H,
             cfg.n_splits, out.stride(0), quant.data.stride(0), *quant_scalars(quant),
             HAS_SCALE_UB=flags["HAS_SCALE_UB"], DIVIDE=flags["DIVIDE"],

@@ -71,7 +71,15 @@ from .triton_chunked import (
     store_rounded,
 )
 from .triton_decode import launch_decode, takes_decode
-from .triton_quant import QuantOut, quant_flags, quant_rows, quant_scalars, quant_scale, store_fp8
+from .triton_quant import (
+    QuantOut,
+    fp8_target,
+    quant_flags,
+    quant_rows,
+    quant_scalars,
+    quant_scale,
+    store_fp8,
+)
 from .validate import AttnResArgumentError, validate_quant, validate_sources
 
 
@@ -336,7 +344,7 @@ def _launch(a: AttnResArgs, out, mixed, route: str | None = None,
         output_norm_weight if output_norm_weight is not None else a.norm_weight,
         out if out is not None else prefix,
         mixed if mixed is not None else prefix,
-        data if data is not None else prefix,
+        fp8_target(data) if data is not None else prefix,
         quant.scale if quant is not None else prefix,
         quant.q.scale_ub if quant is not None and quant.q.scale_ub is not None else prefix,
         H,

@@ -7,7 +7,8 @@ a Python scalar), and the divisions are ``div_rn`` (IEEE, as torch's; a plain ``
 compile to an approximate division). ``store_fp8`` stores fp32 values as fp8, rounded to
 nearest even: on a GPU by the hardware conversion; under the interpreter, whose fp32 -> fp8
 conversion rounds ties away from zero and truncates subnormals, by bit manipulation
-(``FP8_SOFT_RTNE``, as ``BF16_SOFT_RTNE`` for bf16), so the interpreter's bytes are torch's.
+(``FP8_SOFT_RTNE``, as ``BF16_SOFT_RTNE`` for bf16), so the interpreter's bytes are torch's;
+the same for e4m3fnuz on NVIDIA GPUs, where Triton has no such type (``soft_fp8_mode``).
 """
 
 from __future__ import annotations
@@ -70,12 +71,13 @@ def soft_fp8(v, FNUZ: tl.constexpr):
 
 @jit
 def store_fp8(ptrs, v, mask, FP8_SOFT_RTNE: tl.constexpr):
-    """Store fp32 ``v`` at fp8 pointers, rounded to nearest even."""
-    ty = ptrs.dtype.element_ty
+    """Store fp32 ``v`` as fp8, rounded to nearest even: by the hardware conversion
+    (``FP8_SOFT_RTNE`` 0, fp8 pointers), or by bits into the bytes at uint8 pointers (1:
+    e4m3fn, 2: e4m3fnuz; ``soft_fp8_mode``)."""
     if FP8_SOFT_RTNE:
-        tl.store(ptrs, soft_fp8(v, ty == tl.float8e4b8).to(ty, bitcast=True), mask=mask)
+        tl.store(ptrs, soft_fp8(v, FP8_SOFT_RTNE == 2), mask=mask)
     else:
-        tl.store(ptrs, v.to(ty), mask=mask)
+        tl.store(ptrs, v.to(ptrs.dtype.element_ty), mask=mask)
 
 
 class QuantOut(NamedTuple):
@@ -100,4 +102,20 @@ def quant_flags(quant: QuantOut | None) -> dict:
     return dict(QUANT=quant is not None,
                 HAS_SCALE_UB=quant is not None and quant.q.scale_ub is not None,
                 DIVIDE=quant is not None and bool(quant.q.divide),
-                FP8_SOFT_RTNE=INTERPRETED and quant is not None)
+                FP8_SOFT_RTNE=0 if quant is None else soft_fp8_mode(quant.data))
+
+
+def soft_fp8_mode(data: torch.Tensor) -> int:
+    """How the kernels store ``data``'s fp8 bytes: 0 by the hardware conversion; 1 / 2 by
+    bits (e4m3fn / e4m3fnuz), under the interpreter (whose conversion is not round to
+    nearest even) and for e4m3fnuz on NVIDIA GPUs (Triton has no e4m3fnuz type there)."""
+    fnuz = data.dtype == torch.float8_e4m3fnuz
+    if INTERPRETED or (fnuz and data.is_cuda and torch.version.hip is None):
+        return 2 if fnuz else 1
+    return 0
+
+
+def fp8_target(data: torch.Tensor) -> torch.Tensor:
+    """The tensor the kernels store ``data``'s bytes into: a uint8 view when they store by
+    bits (``soft_fp8_mode``), else ``data``."""
+    return data.view(torch.uint8) if soft_fp8_mode(data) else data

@@ -11,16 +11,21 @@ the cubin; a non-zero stack or local size is a spill (the kernels have no local 
 
 The backward (``ops/triton_backward.py``, its own ``launch_config``) is built the same way,
 one variant per non-empty set of gradients (``bwd:dprefix+dblocks+dw`` ... ``bwd:dw``), and
-so are the decode path's three launches (``ops/triton_decode.py``: ``dec-stats:*``,
-``dec-mix:*``, ``dec-norm:out``).
+so are the decode path's launches (``ops/triton_decode.py``: ``dec-stats:*``,
+``dec-mix:*``, ``dec-norm:*``, ``dec-quant:*``). ``attn_res_quant`` and its capture
+(``quant*`` variants, the FP8 epilogue of ``ops/triton_quant.py`` with ``scale_ub`` and the
+division) store ``float8_e4m3fn`` on sm_90, sm_100 and gfx950 and ``float8_e4m3fnuz`` on
+gfx942 (``fp8_type``), as vLLM runs those machines.
 
-Run (the whole matrix, 1224 builds, 996 distinct; ``--ci`` is the subset that
-tests/test_kernel_build.py builds: every forward variant at H = 7168 and 8192, elsewhere two
-of the forward's, and every backward variant and each decode launch's superset variant at
-every width, 612 builds, 444 of them distinct; build times: BENCHMARKS.md, "Offline kernel
-build"):
+Run (the whole matrix, 1944 builds, 1596 distinct; ``--ci`` is the subset that
+tests/test_kernel_build.py builds: every forward variant (the quant ones included) at
+H = 7168 and 8192, elsewhere three of the forward's, and every backward variant and each
+decode launch's superset variant at every width, 864 builds, 594 of them distinct; build
+times: BENCHMARKS.md, "Offline kernel build"; ``--only quant`` builds the quant variants
+alone):
 
-    python tools/kernel_build.py [--ci] [--jobs 2] [--json out.json] [--target gfx942]
+    python tools/kernel_build.py [--ci] [--only quant] [--jobs 2] [--json out.json] \
+                                 [--target gfx942]
 
 ``--target gfx942`` (or ``gfx950``) builds the same matrix for one AMD arch (``build_hip``).
 It prints one row per build and a summary per (target, dtype, H), and exits 1 when any build
@@ -80,7 +85,7 @@ _ELEM_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 def variants() -> list[tuple[str, dict]]:
     """Every flag set the op family launches: (name, flags)."""
-    out = []
+    out: list[tuple[str, dict]] = []
     for op, write_mix in (("attn_res", False), ("capture", True)):
         for delta in (True, False):
             for write in (True, False):
@@ -105,6 +110,10 @@ def variants() -> list[tuple[str, dict]]:
                                            HAS_OUT_NORM=norm, WRITE_OUT=True,
                                            WRITE_MIX=write_mix, QUANT=True, HAS_SCALE_UB=True,
                                            DIVIDE=True)))
+    # e4m3fnuz on an NVIDIA GPU (no such Triton type there): the bytes stored by bits.
+    out.append(("quant-fnuz+delta+write+norm", dict(
+        HAS_DELTA=True, DO_WRITE=True, HAS_OUT_NORM=True, WRITE_OUT=True, WRITE_MIX=True,
+        QUANT=True, HAS_SCALE_UB=True, DIVIDE=True, FP8_SOFT_RTNE=2)))
     # attn_res_mix_backward (ops/triton_backward.py): every non-empty set of gradients.
     for dprefix in (True, False):
         for dblocks in (True, False):
@@ -134,6 +143,7 @@ def variants() -> list[tuple[str, dict]]:
     out.append(("dec-norm:out", {}))
     out.append(("dec-norm:quant", dict(QUANT=True)))
     out.append(("dec-quant:ub+div", dict(HAS_SCALE_UB=True, DIVIDE=True)))
+    out.append(("dec-quant:ub+div+fnuz", dict(HAS_SCALE_UB=True, DIVIDE=True, FP8_SOFT_RTNE=2)))
     return out
 
 
@@ -172,12 +182,16 @@ def _op(variant: str) -> str:
 # The backward is built in every variant at every width: ptxas spilled it below that cap
 # (at 16 elements a thread: `bwd:dw` at 2048 and `bwd:dblocks` at 4096, fp32, sm_100, with
 # 96 and 80 registers), so no variant stands for the others.
+# The quant variants (attn_res_quant and its capture) are forward variants: every one at
+# 7168 / 8192 (up to 122 registers of the 128 there, fp32 on sm_90), the superset elsewhere.
 CI_VARIANTS = ("capture+delta+write+norm", "mix", "quant-capture+delta+write+norm")
 CI_ALL_VARIANTS_AT = (7168, 8192)
 # The decode kernels: 128 threads (a 255-register cap) and at most 72 registers in the full
 # matrix; CI builds each launch's superset variant at every width (each slice width).
+# The quant's launch D (at most 22 registers in the full matrix) joins them; launches B and
+# C with the quant (at most 72 and 28, the full matrix) are built there only.
 CI_DECODE_VARIANTS = ("dec-stats:delta+write", "dec-mix:out+mix+norm", "dec-norm:out",
-                      "dec-mix:quant+mix", "dec-norm:quant", "dec-quant:ub+div")
+                      "dec-quant:ub+div", "dec-quant:ub+div+fnuz")
 
 
 def _kernel_module(backward: bool = False):
@@ -389,8 +403,9 @@ def _ast_source(fn, cfg: dict, variant: str, dtype: str, H: int, fp8: str = "fp8
         if name in ("dw_ptr", "stats_ptr", "part_ptr", "ms_ptr", "amax_ptr", "scale_ptr",
                     "scale_ub_ptr"):  # fp32 workspaces, the quant's scales
             signature[name], attrs[(i,)] = "*fp32", aligned
-        elif name == "q_ptr":  # the quant's FP8 output
-            signature[name], attrs[(i,)] = "*" + fp8, aligned
+        elif name == "q_ptr":  # the quant's FP8 output (its bytes, when stored by bits)
+            signature[name] = "*u8" if flags.get("FP8_SOFT_RTNE") else "*" + fp8
+            attrs[(i,)] = aligned
         elif name.endswith("_ptr"):
             signature[name], attrs[(i,)] = ptr, aligned
         elif name in ("eps", "out_eps", "qmax", "inv_qmax", "amax_floor", "scale_floor"):
@@ -409,9 +424,11 @@ def _ast_source(fn, cfg: dict, variant: str, dtype: str, H: int, fp8: str = "fp8
         constexprs["BF16_SOFT_RTNE"] = False
     if "LAUNCH_PDL" in fn.arg_names:  # opt-in (triton_kernels.pdl_launch): off unless asked
         constexprs.setdefault("LAUNCH_PDL", False)
-    for name in ("QUANT", "HAS_SCALE_UB", "DIVIDE", "FP8_SOFT_RTNE"):  # no quant unless asked
-        if name in fn.arg_names:  # FP8_SOFT_RTNE: the interpreter's rounding, never built
+    for name in ("QUANT", "HAS_SCALE_UB", "DIVIDE"):  # no quant unless asked
+        if name in fn.arg_names:
             constexprs.setdefault(name, False)
+    if "FP8_SOFT_RTNE" in fn.arg_names:  # 0: the hardware conversion; 2 stores e4m3fnuz by
+        constexprs.setdefault("FP8_SOFT_RTNE", 0)  # bits into uint8 (``--only`` fnuz-bits)
     missing = [n for n, t in signature.items() if t == "constexpr" and n not in constexprs]
     if missing:
         raise RuntimeError(f"kernel_build: no value for constexpr(s) {missing}; update "
