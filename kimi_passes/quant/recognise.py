@@ -20,8 +20,9 @@ vLLM's CUDA op, functionalized: ``auto_functionalized(_C.dynamic_per_token_scale
 result=empty, input=x, scale=empty, scale_ub=...)``, whose new ``result`` and ``scale``
 are the values and the scales. Its kernel divides each value by the scale (``x / scale``)
 where the forms above and ``attn_res_quant`` multiply by the scale's reciprocal; the two
-round differently (about 3 fp8 bytes in 10^4 differ on bf16 rows). The site is recognised and reported with
-``unfusable`` set: ``attn_res_quant`` cannot reproduce it bit for bit.
+round differently (about 3 fp8 bytes in 10^4 differ on bf16 rows). The site is
+recognised and reported with ``unfusable`` set: ``attn_res_quant`` cannot reproduce it
+bit for bit.
 
 Order matters where rounding does: the amax bound (``scale_ub``) before the amax floor,
 the scale floor after the scale, the clamp bounds ``-qmax``/``qmax`` equal to the scale's
