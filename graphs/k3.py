@@ -29,6 +29,10 @@ every call sees the same values at the same strides as in the one-stage model. (
 per-stage ``cdiv(end, S)`` bank would give the same math but not the same bits: the CPU
 op's key dots take another kernel path when the bank's row stride changes.)
 
+``K3Config(fp8_inputs=torch.float8_e4m3fn)`` quantizes what attention and the MLP read
+per token (``fp8_per_token``, the AMD kernel's formula) and dequantizes it, as an FP8
+checkpoint's linear layers read their input: the graph ``FuseQuantPass`` fuses.
+
 Parameters are initialised per layer from ``(config.seed, layer index)``, so layer
 ``i`` has the same weights whatever the stage split; names follow the K3 checkpoint.
 """
@@ -61,6 +65,10 @@ class K3Config:
     aux_layer_ids: tuple[int, ...] = (0, 2, 3, 4)
     seed: int = 0
     dtype: torch.dtype = torch.float32
+    # FP8 projections: each decoder layer's AttnRes outputs (what attention and the MLP
+    # read) quantized per token to this fp8 dtype (``fp8_per_token``) and dequantized, as
+    # an FP8 checkpoint's linear layers read their input; None: no quant.
+    fp8_inputs: torch.dtype | None = None
 
     def __post_init__(self):
         L, S = self.num_layers, self.attn_res_block_size
@@ -104,6 +112,25 @@ def attn_res_torch(prefix, delta, blocks, norm_weight, qk_weight, output_norm_we
     if output_norm_weight is not None:
         mixed = F.rms_norm(mixed, (H,), output_norm_weight.float(), output_norm_eps)
     return mixed.to(prefix.dtype)
+
+
+def fp8_per_token(y: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn):
+    """vLLM's AMD K3 kernel's per-token FP8 quant of ``y`` ``[T, H]``, in plain torch:
+    ``(data, scale)`` with ``scale = max(amax, 1e-10) * (1 / qmax)`` fp32 ``[T, 1]`` and
+    ``qmax`` vLLM's bound (448 for float8_e4m3fn, 224 for float8_e4m3fnuz)."""
+    qmax = {torch.float8_e4m3fn: 448.0, torch.float8_e4m3fnuz: 224.0}[dtype]
+    yf = y.float()
+    scale = yf.abs().amax(-1, keepdim=True).clamp(min=1e-10) * (1.0 / qmax)
+    return (yf * (1.0 / scale)).clamp(-qmax, qmax).to(dtype), scale
+
+
+def fp8_round_trip(y: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``y`` as an FP8 linear layer reads it: quantized per token and dequantized (no quant
+    when ``dtype`` is None)."""
+    if dtype is None:
+        return y
+    data, scale = fp8_per_token(y, dtype)
+    return (data.float() * scale).to(y.dtype)
 
 
 def attn_res(mixing: str, *args):
@@ -170,6 +197,7 @@ class DecoderLayer(nn.Module):
         H, eps = cfg.hidden_size, cfg.eps
         self.layer_idx, self.block_size, self.eps, self.mixing = (
             layer_idx, cfg.attn_res_block_size, eps, mixing)
+        self.fp8_inputs = cfg.fp8_inputs
         self.self_attention_res_norm = RMSNorm(H, eps)
         self.self_attention_res_proj = nn.Linear(H, 1, bias=False)
         self.mlp_res_norm = RMSNorm(H, eps)
@@ -187,7 +215,8 @@ class DecoderLayer(nn.Module):
         x = attn_res(self.mixing, prefix, pending, bank, self.self_attention_res_norm.weight,
                      self.self_attention_res_proj.weight.view(-1), self.input_layernorm.weight,
                      prev_valid, i // S if is_write else -1, eps, eps)
-        attn_out = self.self_attn(x)  # a fresh tensor: safe to own as the new prefix
+        # attn_out is a fresh tensor: safe to own as the new prefix.
+        attn_out = self.self_attn(fp8_round_trip(x, self.fp8_inputs))
         if is_write:
             prefix, delta = attn_out, None
         else:
@@ -195,7 +224,7 @@ class DecoderLayer(nn.Module):
         h = attn_res(self.mixing, prefix, delta, bank, self.mlp_res_norm.weight,
                      self.mlp_res_proj.weight.view(-1), self.post_attention_layernorm.weight,
                      prev_valid + int(is_write), -1, eps, eps)
-        return self.mlp(h), prefix, bank
+        return self.mlp(fp8_round_trip(h, self.fp8_inputs)), prefix, bank
 
 
 def _init_params(modules: dict[str, nn.Module], seed: int, tag: int, H: int) -> None:

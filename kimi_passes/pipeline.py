@@ -6,6 +6,7 @@ own) all take their managers from here::
 
     post_grad (inference)   AttnResFusionPass        (fuse_torch_mixing)
                             AuxStreamPass            (aux_stream, fuse_capture, drafter)
+                            FuseQuantPass            (fuse_quant)
                             LowerKimiOps             (lower_kimi_ops; CPU calls only)
     pre_autograd (training) AttnResFusionPass(differentiable=True)   (fuse_torch_mixing)
     post_grad (training)    AuxStreamPass, LowerKimiOps: the inference manager's objects
@@ -21,6 +22,7 @@ from kimi_passes.config.pass_config import KimiPassConfig
 from kimi_passes.fusion import AttnResFusionPass
 from kimi_passes.lowering import LowerKimiOps
 from kimi_passes.passes.manager import KimiPassManager, PassObserver
+from kimi_passes.quant import FuseQuantPass
 from kimi_passes.taps.aux_stream import AuxStreamPass
 
 
@@ -42,7 +44,10 @@ def pass_manager(config: KimiPassConfig | None = None, /, *,
                         f"({sorted(options)})")
     fusion = [AttnResFusionPass()] if config.fuse_torch_mixing else []
     aux = AuxStreamPass(config.aux_stream, fuse=config.fuse_capture, drafter=config.drafter)
-    return KimiPassManager([*fusion, aux], observers,
+    # After the aux pass: a call it turned into attn_res_capture fuses as
+    # attn_res_quant_capture; before the lowering, which lowers the quantizing ops too.
+    quant = [FuseQuantPass()] if config.fuse_quant else []
+    return KimiPassManager([*fusion, aux, *quant], observers,
                            lowering=LowerKimiOps() if config.lower_kimi_ops else None,
                            config=config)
 

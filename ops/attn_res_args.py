@@ -5,6 +5,10 @@
   no delta, no block write and no output norm (``PURE_MIXTURE``). ``AttnResArgs.mix``
   takes ``MixArgs``' fields and builds that form of ``AttnResArgs``, which the checks,
   the CPU path and the Triton launch take; ``MixArgs.part_of`` goes the other way;
+- ``AttnResQuantArgs``: ``kimi::attn_res_quant`` / ``attn_res_quant_capture``: ``AttnResArgs``'
+  ten fields, then the per-token FP8 quantization of the output (``quant_dtype`` and the
+  constants that pick whose quant it reproduces: docs/design.md, "FP8 output quant");
+  ``.base`` is its ``AttnResArgs``;
 - ``MixListArgs``: ``kimi::attn_res_mix_list`` (a list of sources, no bank);
 - ``MixBackwardArgs`` / ``MixListBackwardArgs``: the two backward ops: ``grad``, then the
   forward's fields (the list's but ``out_dtype``: ``grad`` has the output's dtype), then
@@ -84,6 +88,44 @@ class AttnResArgs(NamedTuple):
 #: pure mixture: no delta, no block write, no output norm.
 PURE_MIXTURE = {"delta": None, "output_norm_weight": None, "block_write_idx": -1,
                 "output_norm_eps": 0.0}
+
+
+class AttnResQuantArgs(NamedTuple):
+    """``kimi::attn_res_quant`` / ``attn_res_quant_capture``'s arguments in schema order:
+    ``AttnResArgs``' fields, then the quant's (docs/design.md, "FP8 output quant").
+
+    The defaults are vLLM's AMD K3 kernel's quant (``scale = max(amax, 1e-10) * (1 / qmax)``);
+    ``amax_floor=0.0, scale_floor=1 / (qmax * 512), divide=True`` (and ``scale_ub``) are
+    vLLM's ``QuantFP8`` per-token native form (``scale = max(amax / qmax, floor)``).
+    """
+
+    prefix: torch.Tensor  # [T, H], updated in place by delta
+    delta: torch.Tensor | None  # [T, H]
+    blocks: torch.Tensor  # [T, NB, H], slot block_write_idx written in place
+    norm_weight: torch.Tensor  # [H]
+    qk_weight: torch.Tensor  # [H]
+    output_norm_weight: torch.Tensor | None  # [H]
+    num_blocks: int  # slots mixed: blocks[:, :num_blocks], then prefix
+    block_write_idx: int  # -1: no write
+    eps: float
+    output_norm_eps: float
+    quant_dtype: torch.dtype  # torch.float8_e4m3fn or torch.float8_e4m3fnuz
+    quant_max: float = 0.0  # the fp8 bound; 0: 448 (e4m3fn) or 224 (e4m3fnuz), vLLM's
+    amax_floor: float = 1e-10  # amax = max(amax, amax_floor), before the division
+    scale_floor: float = 0.0  # scale = max(scale, scale_floor), after it
+    divide: bool = False  # scale = amax / qmax (True) or amax * (1 / qmax) (False)
+    scale_ub: torch.Tensor | None = None  # [1] fp32: amax = min(amax, scale_ub) first
+
+    @property
+    def base(self) -> AttnResArgs:
+        """The unquantized call: ``kimi::attn_res``'s record (the first ten fields)."""
+        return AttnResArgs._make(self[:10])
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor | None, ...]:
+        """The tensor arguments of the mixture (the first six fields; None where absent);
+        ``scale_ub`` is apart (fp32, whatever the sources' dtype)."""
+        return self[:6]
 
 
 class MixListArgs(NamedTuple):
@@ -180,7 +222,8 @@ def _check_records() -> None:
 
     pairs = [(fields(MixBackwardArgs)[1:1 + len(MixArgs._fields)], fields(MixArgs)),
              (fields(MixListBackwardArgs)[1:5], fields(MixListArgs, drop=("out_dtype",))),
-             (fields(AttnResArgs, drop=tuple(PURE_MIXTURE)), fields(MixArgs))]
+             (fields(AttnResArgs, drop=tuple(PURE_MIXTURE)), fields(MixArgs)),
+             (fields(AttnResQuantArgs)[:len(AttnResArgs._fields)], fields(AttnResArgs))]
     for got, want in pairs:
         if got != want:
             raise TypeError(f"ops/attn_res_args.py: records disagree: {got} != {want}")

@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 
 from . import cpu_native
-from .attn_res_args import AttnResArgs
+from .attn_res_args import AttnResArgs, AttnResQuantArgs
+from .fp8_quant import quantize_rows
 
 # Rows per chunk are sized so the chunk's fp32 staging buffer is about this many bytes.
 _CHUNK_BYTES = 8 << 20
@@ -111,3 +112,13 @@ def attn_res_cpu(a: AttnResArgs, *, capture: bool = True):
         mixed = torch.empty_like(out)
     _attn_res_rows(a, out, mixed)
     return out, (out if a.output_norm_weight is None else mixed)
+
+
+def attn_res_quant_cpu(q: AttnResQuantArgs, *, capture: bool):
+    """``kimi::attn_res_quant`` (``capture``: ``attn_res_quant_capture``): the output of
+    ``attn_res_cpu`` (in the sources' dtype) quantized per row (``fp8_quant.quantize_rows``).
+    Returns ``(data, scale)``, and the pre-norm mixture when ``capture``; mutates prefix
+    (delta) and blocks (write) in place."""
+    out, mixed = attn_res_cpu(q.base, capture=capture)
+    data, scale = quantize_rows(out, q)
+    return (data, scale, mixed) if capture else (data, scale)

@@ -19,22 +19,24 @@ fails at compile time.
 - ``attn_res_capture``: the same, also returning the pre-norm mixture. The
   aux-stream pass swaps a tap's consumer to it, so a tap costs one ``[T,H]`` write.
 - ``attn_res_mix``: the pure pre-norm mixture, no mutation.
+- ``attn_res_quant`` / ``attn_res_quant_capture``: ``attn_res`` / ``attn_res_capture`` with
+  the output quantized per token to FP8 (``fp8_quant.py``): ``(data, scale[, mixed])``.
 - ``aux_tap``: the tap marker (a ``custom_op``); the aux-stream pass removes every one.
 
 The arguments of ``attn_res`` and ``attn_res_capture`` are one record, ``AttnResArgs``;
-those of ``attn_res_mix`` another, ``MixArgs`` (``ops/attn_res_args.py``): the schemas are
-inferred from their fields, and every kernel takes the record (``attn_res_mix``'s in its
-``AttnResArgs`` form, ``AttnResArgs.mix``).
+those of the quant ops ``AttnResQuantArgs``; those of ``attn_res_mix`` another, ``MixArgs``
+(``ops/attn_res_args.py``): the schemas are inferred from their fields, and every kernel
+takes the record (``attn_res_mix``'s in its ``AttnResArgs`` form, ``AttnResArgs.mix``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .attn_res_args import AttnResArgs, MixArgs, record_signature
+from .attn_res_args import AttnResArgs, AttnResQuantArgs, MixArgs, record_signature
 from .conventions import MUTATED_ARGS
-from .cpu import attn_res_cpu, mix_cpu
-from .validate import validate_sources, validate_tap
+from .cpu import attn_res_cpu, attn_res_quant_cpu, mix_cpu
+from .validate import validate_quant, validate_sources, validate_tap
 
 _LIB = torch.library.Library("kimi", "FRAGMENT")  # noqa: TOR901  (ops live as long as the module)
 
@@ -120,9 +122,25 @@ def attn_res_mix(*args) -> torch.Tensor:
     return mix_cpu(a)
 
 
+@record_signature(AttnResQuantArgs, returns=tuple[torch.Tensor, torch.Tensor])
+def attn_res_quant(*args) -> tuple[torch.Tensor, torch.Tensor]:
+    q = AttnResQuantArgs(*args)
+    validate_quant(q)
+    return attn_res_quant_cpu(q, capture=False)
+
+
+@record_signature(AttnResQuantArgs, returns=tuple[torch.Tensor, torch.Tensor, torch.Tensor])
+def attn_res_quant_capture(*args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q = AttnResQuantArgs(*args)
+    validate_quant(q)
+    return attn_res_quant_cpu(q, capture=True)
+
+
 attn_res = _define(attn_res, MUTATED_ARGS)
 attn_res_capture = _define(attn_res_capture, MUTATED_ARGS)
 attn_res_mix = _define(attn_res_mix)
+attn_res_quant = _define(attn_res_quant, MUTATED_ARGS)
+attn_res_quant_capture = _define(attn_res_quant_capture, MUTATED_ARGS)
 
 
 @torch.library.custom_op("kimi::aux_tap", mutates_args=())
@@ -135,6 +153,7 @@ def aux_tap_op(x: torch.Tensor, capture_id: int) -> torch.Tensor:
 # --------------------------------------------------------------------------- autograd
 
 _MUTATED_IDX = tuple(AttnResArgs._fields.index(name) for name in MUTATED_ARGS)
+assert _MUTATED_IDX == tuple(AttnResQuantArgs._fields.index(n) for n in MUTATED_ARGS)
 
 
 class _NoFormula(torch.autograd.Function):
@@ -162,7 +181,8 @@ def _mutate_below_autograd(op, keyset, args):
     return below_autograd(op, keyset, args)
 
 
-for _op in (attn_res.default, attn_res_capture.default):
+for _op in (attn_res.default, attn_res_capture.default, attn_res_quant.default,
+            attn_res_quant_capture.default):
     register_autograd_kernel(_op, lambda keyset, *args, op=_op: _NoFormula.apply(op, keyset, *args),
                              run=_mutate_below_autograd)
 
@@ -193,6 +213,28 @@ def _attn_res_mix_fake(*args):
     return torch.empty_like(a.prefix)
 
 
+def _quant_outputs(q: AttnResQuantArgs):
+    """The quant ops' new outputs, as every path allocates them: contiguous ``data`` in the
+    fp8 dtype, fp32 ``scale`` ``[T, 1]``."""
+    T, H = q.prefix.shape
+    return (torch.empty((T, H), dtype=q.quant_dtype, device=q.prefix.device),
+            torch.empty((T, 1), dtype=torch.float32, device=q.prefix.device))
+
+
+@torch.library.register_fake("kimi::attn_res_quant", lib=_LIB)
+def _attn_res_quant_fake(*args):
+    q = AttnResQuantArgs(*args)
+    validate_quant(q)
+    return _quant_outputs(q)
+
+
+@torch.library.register_fake("kimi::attn_res_quant_capture", lib=_LIB)
+def _attn_res_quant_capture_fake(*args):
+    q = AttnResQuantArgs(*args)
+    validate_quant(q)
+    return (*_quant_outputs(q), torch.empty_like(q.prefix))
+
+
 @aux_tap_op.register_fake
 def _aux_tap_fake(x, capture_id):
     validate_tap(x, capture_id)
@@ -220,7 +262,21 @@ def _attn_res_mix_cuda(*args):
     return attn_res_mix_triton(*args)
 
 
+def _attn_res_quant_cuda(*args):
+    from .triton_kernels import attn_res_quant_triton
+
+    return attn_res_quant_triton(*args)
+
+
+def _attn_res_quant_capture_cuda(*args):
+    from .triton_kernels import attn_res_quant_capture_triton
+
+    return attn_res_quant_capture_triton(*args)
+
+
 # CUDA dispatches to the Triton kernels (imported lazily: triton is Linux-only).
 _LIB.impl("attn_res", _attn_res_cuda, "CUDA")
 _LIB.impl("attn_res_capture", _attn_res_capture_cuda, "CUDA")
 _LIB.impl("attn_res_mix", _attn_res_mix_cuda, "CUDA")
+_LIB.impl("attn_res_quant", _attn_res_quant_cuda, "CUDA")
+_LIB.impl("attn_res_quant_capture", _attn_res_quant_capture_cuda, "CUDA")

@@ -25,22 +25,11 @@ thread (same chunk layout in every pass); a barrier between passes makes that ex
 
 from __future__ import annotations
 
-import triton
 import triton.language as tl
-from triton.runtime.jit import JITFunction
 
-# ``triton.jit`` picks interpreter or compiler from TRITON_INTERPRET when it decorates,
-# and triton.language's own jit helpers (``tl.sum``, ...) were decorated when triton
-# was imported; a kernel of the other mode cannot call them. So the kernels follow
-# the mode triton.language was built in, whatever the environment says now.
-INTERPRETED = not isinstance(tl.sum, JITFunction)
-
-
-def jit(fn):
-    """``triton.jit`` in the mode triton.language was built in (see ``INTERPRETED``)."""
-    with triton.knobs.runtime.scope():
-        triton.knobs.runtime.interpret = INTERPRETED
-        return triton.jit(fn)
+# INTERPRETED and jit (ops/triton_mode.py) are imported from here by the other kernels.
+from .triton_mode import INTERPRETED, jit  # noqa: F401
+from .triton_quant import quant_rows, quant_scale, store_fp8
 
 
 @jit
@@ -95,6 +84,9 @@ def _attn_res_chunked_kernel(
     out_norm_w_ptr,
     out_ptr,
     mix_ptr,
+    q_ptr,
+    scale_ptr,
+    scale_ub_ptr,
     H,
     num_blocks,
     skip_idx,
@@ -104,14 +96,23 @@ def _attn_res_chunked_kernel(
     stride_bn,
     stride_o,
     stride_m,
+    stride_q,
     eps,
     out_eps,
+    qmax,
+    inv_qmax,
+    amax_floor,
+    scale_floor,
     HAS_DELTA: tl.constexpr,
     DO_WRITE: tl.constexpr,
     HAS_OUT_NORM: tl.constexpr,
     WRITE_OUT: tl.constexpr,
     WRITE_MIX: tl.constexpr,
     BF16_SOFT_RTNE: tl.constexpr,
+    QUANT: tl.constexpr,
+    HAS_SCALE_UB: tl.constexpr,
+    DIVIDE: tl.constexpr,
+    FP8_SOFT_RTNE: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_S: tl.constexpr,
     LAUNCH_PDL: tl.constexpr = False,
@@ -170,6 +171,7 @@ def _attn_res_chunked_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     tl.debug_barrier()
     ms = tl.full((), 0.0, tl.float32)
+    amax = tl.full((), 0.0, tl.float32)
     for c in range(0, H, CHUNK):
         cols = c + lanes
         hmask = cols < H
@@ -186,7 +188,12 @@ def _attn_res_chunked_kernel(
         if WRITE_OUT:
             if HAS_OUT_NORM:
                 ms += tl.sum(mixed * mixed, axis=0)
-            store_rounded(out_ptr + row * stride_o + cols, mixed, hmask, BF16_SOFT_RTNE)
+            o_ptrs = out_ptr + row * stride_o + cols
+            y = rounded(mixed, o_ptrs, BF16_SOFT_RTNE)
+            tl.store(o_ptrs, y, mask=hmask)
+            if QUANT and not HAS_OUT_NORM:
+                amax = tl.maximum(amax, tl.max(tl.where(hmask, tl.abs(y.to(tl.float32)), 0.0),
+                                               axis=0))
 
     # Pass 4: the output norm over the stored (rounded) mixture.
     if WRITE_OUT:
@@ -199,7 +206,24 @@ def _attn_res_chunked_kernel(
                 o_ptrs = out_ptr + row * stride_o + cols
                 y = tl.load(o_ptrs, mask=hmask, other=0.0).to(tl.float32)
                 ow = tl.load(out_norm_w_ptr + cols, mask=hmask, other=0.0).to(tl.float32)
-                store_rounded(o_ptrs, y * scale * ow, hmask, BF16_SOFT_RTNE)
+                y = rounded(y * scale * ow, o_ptrs, BF16_SOFT_RTNE)
+                tl.store(o_ptrs, y, mask=hmask)
+                if QUANT:
+                    amax = tl.maximum(amax, tl.max(tl.where(hmask, tl.abs(y.to(tl.float32)),
+                                                            0.0), axis=0))
+
+    # Pass 5 (quant): ``out`` is a scratch row in the sources' dtype; quantize it into q.
+    if QUANT:
+        tl.debug_barrier()
+        qscale = quant_scale(amax, scale_ub_ptr, amax_floor, scale_floor, qmax, inv_qmax,
+                             HAS_SCALE_UB, DIVIDE)
+        for c in range(0, H, CHUNK):
+            cols = c + lanes
+            hmask = cols < H
+            y = tl.load(out_ptr + row * stride_o + cols, mask=hmask, other=0.0).to(tl.float32)
+            store_fp8(q_ptr + row * stride_q + cols, quant_rows(y, qscale, qmax), hmask,
+                      FP8_SOFT_RTNE)
+        tl.store(scale_ptr + row, qscale)
 
 
 CHUNKED_KERNEL = jit(_attn_res_chunked_kernel)

@@ -38,7 +38,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_chunked import INTERPRETED, jit, load_updated_prefix, store_rounded
+from .triton_chunked import INTERPRETED, jit, load_updated_prefix, rounded, store_rounded
+from .triton_quant import (
+    fp8_target,
+    quant_flags,
+    quant_rows,
+    quant_scalars,
+    quant_scale,
+    store_fp8,
+)
 
 # The switch: rows per call at or below which a row is split, and the narrowest row split.
 DECODE_MAX_T = 64
@@ -66,6 +74,7 @@ class DecodeLaunch(NamedTuple):
     stats: dict
     mix: dict
     norm: dict
+    quant: dict
 
 
 def decode_config(H: int, slots: int) -> DecodeLaunch:
@@ -77,7 +86,8 @@ def decode_config(H: int, slots: int) -> DecodeLaunch:
                 SRC_TILE=max(1, min(DECODE_TILE // slice_, triton.next_power_of_2(max(slots, 1)))))
     splits_p2 = triton.next_power_of_2(n_splits)
     return DecodeLaunch(n_splits, DECODE_WARPS, stats=tile, mix=dict(tile, SPLITS_P2=splits_p2),
-                        norm=dict(SLICE=slice_, SPLITS_P2=splits_p2))
+                        norm=dict(SLICE=slice_, SPLITS_P2=splits_p2),
+                        quant=dict(SLICE=slice_, SPLITS_P2=splits_p2))
 
 
 @jit
@@ -162,6 +172,7 @@ def _decode_mix_kernel(
     mix_ptr,
     part_ptr,
     ms_ptr,
+    amax_ptr,
     H,
     num_blocks,
     skip_idx,
@@ -176,6 +187,7 @@ def _decode_mix_kernel(
     WRITE_OUT: tl.constexpr,
     WRITE_MIX: tl.constexpr,
     BF16_SOFT_RTNE: tl.constexpr,
+    QUANT: tl.constexpr,
     SLICE: tl.constexpr,
     SRC_TILE: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -222,7 +234,8 @@ def _decode_mix_kernel(
             tl.store(part_ptr + row * H + cols, acc, mask=hmask)
             tl.store(ms_ptr + row * n_splits + split, tl.sum(acc * acc, axis=0))
         else:
-            store_rounded(out_ptr + row * stride_o + cols, acc, hmask, BF16_SOFT_RTNE)
+            _store_out(out_ptr + row * stride_o + cols, acc, hmask, amax_ptr + row * n_splits
+                       + split, BF16_SOFT_RTNE, QUANT)
 
 
 def _decode_norm_kernel(
@@ -230,11 +243,13 @@ def _decode_norm_kernel(
     out_ptr,
     part_ptr,
     ms_ptr,
+    amax_ptr,
     H,
     n_splits,
     stride_o,
     out_eps,
     BF16_SOFT_RTNE: tl.constexpr,
+    QUANT: tl.constexpr,
     SLICE: tl.constexpr,
     SPLITS_P2: tl.constexpr,
     LAUNCH_PDL: tl.constexpr = False,
@@ -248,27 +263,80 @@ def _decode_norm_kernel(
     ow = tl.load(out_norm_w_ptr + cols, mask=hmask, other=0.0).to(tl.float32)
     if LAUNCH_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    store_rounded(out_ptr + row * stride_o + cols, mixed * tl.rsqrt(ms / H + out_eps) * ow,
-                  hmask, BF16_SOFT_RTNE)
+    _store_out(out_ptr + row * stride_o + cols, mixed * tl.rsqrt(ms / H + out_eps) * ow, hmask,
+               amax_ptr + row * n_splits + split, BF16_SOFT_RTNE, QUANT)
+
+
+@jit
+def _store_out(ptrs, y, mask, amax_ptr, BF16_SOFT_RTNE: tl.constexpr, QUANT: tl.constexpr):
+    """Store the output slice rounded; for a quant, also the slice's max |rounded value|."""
+    y = rounded(y, ptrs, BF16_SOFT_RTNE)
+    tl.store(ptrs, y, mask=mask)
+    if QUANT:
+        tl.store(amax_ptr, tl.max(tl.where(mask, tl.abs(y.to(tl.float32)), 0.0), axis=0))
+
+
+def _decode_quant_kernel(
+    out_ptr,
+    q_ptr,
+    scale_ptr,
+    scale_ub_ptr,
+    amax_ptr,
+    H,
+    n_splits,
+    stride_o,
+    stride_q,
+    qmax,
+    inv_qmax,
+    amax_floor,
+    scale_floor,
+    HAS_SCALE_UB: tl.constexpr,
+    DIVIDE: tl.constexpr,
+    FP8_SOFT_RTNE: tl.constexpr,
+    SLICE: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+    LAUNCH_PDL: tl.constexpr = False,
+):
+    if LAUNCH_PDL:  # waits for launch B's (or C's) stores
+        tl.extra.cuda.gdc_wait()
+    row, split, cols, hmask = _row_slice(H, SLICE)
+    sp = tl.arange(0, SPLITS_P2)
+    amax = tl.max(tl.load(amax_ptr + row * n_splits + sp, mask=sp < n_splits, other=0.0),
+                  axis=0)
+    scale = quant_scale(amax, scale_ub_ptr, amax_floor, scale_floor, qmax, inv_qmax,
+                        HAS_SCALE_UB, DIVIDE)
+    y = tl.load(out_ptr + row * stride_o + cols, mask=hmask, other=0.0).to(tl.float32)
+    if LAUNCH_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    store_fp8(q_ptr + row * stride_q + cols, quant_rows(y, scale, qmax), hmask, FP8_SOFT_RTNE)
+    if split == 0:
+        tl.store(scale_ptr + row, scale)
 
 
 STATS_KERNEL = jit(_decode_stats_kernel)
 MIX_KERNEL = jit(_decode_mix_kernel)
 NORM_KERNEL = jit(_decode_norm_kernel)
+QUANT_KERNEL = jit(_decode_quant_kernel)
 
 
-def launch_decode(a, out, mixed, skip_idx: int, pdl: bool) -> None:
+def launch_decode(a, out, mixed, skip_idx: int, pdl: bool, quant=None) -> None:
     """Run the decode path for the record ``a`` (``AttnResArgs``): ``out`` / ``mixed`` are the
-    outputs to store (None: not stored); ``skip_idx`` the written slot, else num_blocks."""
+    outputs to store (None: not stored); ``skip_idx`` the written slot, else num_blocks.
+    ``quant`` (``triton_kernels.QuantOut``): the output is staged rounded in a scratch
+    buffer, with each slice's max |value|, and launch D quantizes it."""
     prefix, delta, blocks = a.prefix, a.delta, a.blocks
     T, H = prefix.shape
     cfg = decode_config(H, blocks.shape[1])
     dev = prefix.device
     stats = torch.empty(T * cfg.n_splits * 2 * cfg.stats["BLOCK_S"], dtype=torch.float32,
                         device=dev)
+    if quant is not None:
+        out = torch.empty((T, H), dtype=prefix.dtype, device=dev)
     norm = out is not None and a.output_norm_weight is not None
     part = torch.empty(T * H, dtype=torch.float32, device=dev) if norm else stats
     ms = torch.empty(T * cfg.n_splits, dtype=torch.float32, device=dev) if norm else stats
+    amax = (torch.empty(T * cfg.n_splits, dtype=torch.float32, device=dev)
+            if quant is not None else stats)
     extra = dict(LAUNCH_PDL=True, launch_pdl=True) if pdl else {}
     grid = (T, cfg.n_splits)
     common = dict(BF16_SOFT_RTNE=INTERPRETED and prefix.dtype == torch.bfloat16,
@@ -280,12 +348,20 @@ def launch_decode(a, out, mixed, skip_idx: int, pdl: bool) -> None:
         HAS_DELTA=delta is not None, DO_WRITE=a.block_write_idx >= 0, **cfg.stats, **common)
     MIX_KERNEL[grid](
         prefix, blocks, stats, out if out is not None else prefix,
-        mixed if mixed is not None else prefix, part, ms, H, a.num_blocks, skip_idx,
+        mixed if mixed is not None else prefix, part, ms, amax, H, a.num_blocks, skip_idx,
         cfg.n_splits, prefix.stride(0), blocks.stride(0), blocks.stride(1),
         out.stride(0) if out is not None else 0, mixed.stride(0) if mixed is not None else 0,
         float(a.eps), HAS_OUT_NORM=norm, WRITE_OUT=out is not None,
-        WRITE_MIX=mixed is not None, **cfg.mix, **common)
+        WRITE_MIX=mixed is not None, QUANT=quant is not None, **cfg.mix, **common)
     if norm:
         NORM_KERNEL[grid](
-            a.output_norm_weight, out, part, ms, H, cfg.n_splits, out.stride(0),
-            float(a.output_norm_eps), **cfg.norm, **common)
+            a.output_norm_weight, out, part, ms, amax, H, cfg.n_splits, out.stride(0),
+            float(a.output_norm_eps), QUANT=quant is not None, **cfg.norm, **common)
+    if quant is not None:
+        flags = quant_flags(quant)
+        QUANT_KERNEL[grid](
+            out, fp8_target(quant.data), quant.scale,
+            quant.q.scale_ub if quant.q.scale_ub is not None else quant.scale, amax, H,
+            cfg.n_splits, out.stride(0), quant.data.stride(0), *quant_scalars(quant),
+            HAS_SCALE_UB=flags["HAS_SCALE_UB"], DIVIDE=flags["DIVIDE"],
+            FP8_SOFT_RTNE=flags["FP8_SOFT_RTNE"], **cfg.quant, num_warps=cfg.num_warps, **extra)

@@ -61,10 +61,26 @@ import torch
 import triton
 import triton.language as tl
 
-from .attn_res_args import AttnResArgs
-from .triton_chunked import CHUNKED_KERNEL, INTERPRETED, add_delta_in_place, jit, store_rounded
+from .attn_res_args import AttnResArgs, AttnResQuantArgs
+from .triton_chunked import (
+    CHUNKED_KERNEL,
+    INTERPRETED,
+    add_delta_in_place,
+    jit,
+    rounded,
+    store_rounded,
+)
 from .triton_decode import launch_decode, takes_decode
-from .validate import AttnResArgumentError, validate_sources
+from .triton_quant import (
+    QuantOut,
+    fp8_target,
+    quant_flags,
+    quant_rows,
+    quant_scalars,
+    quant_scale,
+    store_fp8,
+)
+from .validate import AttnResArgumentError, validate_quant, validate_sources
 
 
 def _attn_res_kernel(
@@ -76,6 +92,9 @@ def _attn_res_kernel(
     out_norm_w_ptr,
     out_ptr,
     mix_ptr,
+    q_ptr,
+    scale_ptr,
+    scale_ub_ptr,
     H,
     num_blocks,
     skip_idx,
@@ -85,14 +104,23 @@ def _attn_res_kernel(
     stride_bn,
     stride_o,
     stride_m,
+    stride_q,
     eps,
     out_eps,
+    qmax,
+    inv_qmax,
+    amax_floor,
+    scale_floor,
     HAS_DELTA: tl.constexpr,
     DO_WRITE: tl.constexpr,
     HAS_OUT_NORM: tl.constexpr,
     WRITE_OUT: tl.constexpr,
     WRITE_MIX: tl.constexpr,
     BF16_SOFT_RTNE: tl.constexpr,
+    QUANT: tl.constexpr,
+    HAS_SCALE_UB: tl.constexpr,
+    DIVIDE: tl.constexpr,
+    FP8_SOFT_RTNE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     PREFETCH: tl.constexpr,
     LAUNCH_PDL: tl.constexpr = False,
@@ -178,7 +206,18 @@ def _attn_res_kernel(
             ow = tl.load(out_norm_w_ptr + cols, mask=hmask, other=0.0).to(tl.float32)
             ms = tl.sum(mixed * mixed, axis=0) / H
             y = mixed * tl.rsqrt(ms + out_eps) * ow
-        store_rounded(out_ptr + row * stride_o + cols, y, hmask, BF16_SOFT_RTNE)
+        if QUANT:
+            # The output rounded to the sources' dtype (what an unfused quant reads), then
+            # quantized per row (ops/triton_quant.py); ``out`` is not stored.
+            yr = rounded(y, p_ptrs, BF16_SOFT_RTNE).to(tl.float32)
+            amax = tl.max(tl.where(hmask, tl.abs(yr), 0.0), axis=0)
+            scale = quant_scale(amax, scale_ub_ptr, amax_floor, scale_floor, qmax, inv_qmax,
+                                HAS_SCALE_UB, DIVIDE)
+            store_fp8(q_ptr + row * stride_q + cols, quant_rows(yr, scale, qmax), hmask,
+                      FP8_SOFT_RTNE)
+            tl.store(scale_ptr + row, scale)
+        else:
+            store_rounded(out_ptr + row * stride_o + cols, y, hmask, BF16_SOFT_RTNE)
 
 
 _KERNEL = jit(_attn_res_kernel)
@@ -256,7 +295,11 @@ def _check_unit_stride(a: AttnResArgs) -> None:
             )
 
 
-def _launch(a: AttnResArgs, out, mixed, route: str | None = None) -> None:
+def _launch(a: AttnResArgs, out, mixed, route: str | None = None,
+            quant: QuantOut | None = None) -> None:
+    """Launch the route for ``a``, storing ``out`` / ``mixed`` (None: not stored); with
+    ``quant``, ``out`` is not given: the output is quantized into ``quant.data`` /
+    ``quant.scale`` (the chunked and decode routes stage it in a scratch buffer)."""
     prefix, delta, num_blocks, output_norm_weight = (
         a.prefix, a.delta, a.num_blocks, a.output_norm_weight)
     T, H = prefix.shape
@@ -277,8 +320,21 @@ def _launch(a: AttnResArgs, out, mixed, route: str | None = None) -> None:
     on_device = contextlib.nullcontext() if INTERPRETED else torch.cuda.device(prefix.device)
     if route == "decode" or (route == "auto" and takes_decode(T, H)):
         with on_device:
-            launch_decode(a, out, mixed, skip_idx, pdl)
+            launch_decode(a, out, mixed, skip_idx, pdl, quant)
         return
+    data = None if quant is None else quant.data
+    ptrs = [prefix, delta, a.blocks, a.norm_weight, a.qk_weight, output_norm_weight, out,
+            mixed, data]
+    # Triton specialises a pointer on 16-byte alignment and an int on divisibility by 16.
+    strides = (prefix.stride(0), 0 if delta is None else delta.stride(0), a.blocks.stride(0),
+               a.blocks.stride(1), 0 if out is None else out.stride(0),
+               0 if mixed is None else mixed.stride(0), 0 if data is None else data.stride(0))
+    aligned = all(t is None or t.data_ptr() % 16 == 0 for t in ptrs) and all(
+        n % 16 == 0 for n in (H, *strides))
+    kernel, cfg = launch_config(H, prefix.dtype, aligned, a.blocks.shape[1])
+    if quant is not None and kernel is CHUNKED_KERNEL:
+        # The chunked kernel stores the rounded output, then quantizes it from there.
+        out = torch.empty((T, H), dtype=prefix.dtype, device=prefix.device)
     args = (
         prefix,
         delta if delta is not None else prefix,
@@ -288,31 +344,29 @@ def _launch(a: AttnResArgs, out, mixed, route: str | None = None) -> None:
         output_norm_weight if output_norm_weight is not None else a.norm_weight,
         out if out is not None else prefix,
         mixed if mixed is not None else prefix,
+        fp8_target(data) if data is not None else prefix,
+        quant.scale if quant is not None else prefix,
+        quant.q.scale_ub if quant is not None and quant.q.scale_ub is not None else prefix,
         H,
         num_blocks,
         skip_idx,
-        prefix.stride(0),
-        delta.stride(0) if delta is not None else 0,
-        a.blocks.stride(0),
-        a.blocks.stride(1),
+        *strides[:4],
         out.stride(0) if out is not None else 0,
-        mixed.stride(0) if mixed is not None else 0,
+        *strides[5:],
         float(a.eps),
         float(a.output_norm_eps),
+        *quant_scalars(quant),
     )
-    # Triton specialises a pointer on 16-byte alignment and an int on divisibility by 16.
-    aligned = all(t.data_ptr() % 16 == 0 for t in args[:8]) and all(
-        n % 16 == 0 for n in (H, *args[11:17]))
-    kernel, cfg = launch_config(H, prefix.dtype, aligned, a.blocks.shape[1])
     if pdl:
         cfg = dict(cfg, LAUNCH_PDL=True, launch_pdl=True)  # the constexpr, the launch attribute
     flags = dict(
         HAS_DELTA=delta is not None,
         DO_WRITE=do_write,
         HAS_OUT_NORM=output_norm_weight is not None,
-        WRITE_OUT=out is not None,
+        WRITE_OUT=out is not None or quant is not None,
         WRITE_MIX=mixed is not None,
         BF16_SOFT_RTNE=INTERPRETED and prefix.dtype == torch.bfloat16,
+        **quant_flags(quant),
         **cfg,
     )
     with on_device:
@@ -353,3 +407,29 @@ def attn_res_mix_triton(*args, route: str | None = None, **kwargs) -> torch.Tens
     mixed = torch.empty(a.prefix.shape, dtype=a.prefix.dtype, device=a.prefix.device)
     _launch(a, None, mixed, route)
     return mixed
+
+
+def _quant_call(args, kwargs, route, capture: bool):
+    q = AttnResQuantArgs(*args, **kwargs)
+    validate_quant(q)
+    a = q.base
+    _check_unit_stride(a)
+    T, H = a.prefix.shape
+    dev = a.prefix.device
+    quant = QuantOut(q, torch.empty((T, H), dtype=q.quant_dtype, device=dev),
+                     torch.empty((T, 1), dtype=torch.float32, device=dev))
+    mixed = torch.empty_like(a.prefix) if capture else None
+    _launch(a, None, mixed, route, quant)
+    return (quant.data, quant.scale, mixed) if capture else (quant.data, quant.scale)
+
+
+def attn_res_quant_triton(*args, route: str | None = None,
+                          **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kimi::attn_res_quant``: ``(data, scale)``; mutates ``prefix`` and ``blocks``."""
+    return _quant_call(args, kwargs, route, capture=False)
+
+
+def attn_res_quant_capture_triton(*args, route: str | None = None,
+                                  **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``kimi::attn_res_quant_capture``: ``(data, scale, mixed)``."""
+    return _quant_call(args, kwargs, route, capture=True)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .attn_res_args import AttnResArgs, MixBackwardArgs
+from .attn_res_args import AttnResArgs, AttnResQuantArgs, MixBackwardArgs
+from .fp8_quant import FP8_MAX
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -119,6 +120,29 @@ def _diagnose(a: AttnResArgs) -> None:
     for name, value in (("eps", a.eps), ("output_norm_eps", a.output_norm_eps)):
         if not value >= 0.0:
             _fail(f"kimi attn_res: {name}={value} must be a non-negative float")
+
+
+def validate_quant(q: AttnResQuantArgs) -> None:
+    """``kimi::attn_res_quant``'s checks: the mixture's (``validate_sources``), then the
+    quant's fields; raise naming the culprit and what to pass."""
+    validate_sources(q.base)
+    if q.quant_dtype not in FP8_MAX:
+        _fail(f"kimi attn_res_quant: quant_dtype {q.quant_dtype} is not supported; use one of "
+              f"{[str(d) for d in FP8_MAX]}")
+    fp8_max = torch.finfo(q.quant_dtype).max
+    if not 0.0 <= q.quant_max <= fp8_max:  # False for NaN
+        _fail(f"kimi attn_res_quant: quant_max={q.quant_max} is outside [0, {fp8_max}] (the "
+              f"largest {q.quant_dtype}); pass 0 for vLLM's bound "
+              f"({FP8_MAX[q.quant_dtype]} for {q.quant_dtype})")
+    for name, value in (("amax_floor", q.amax_floor), ("scale_floor", q.scale_floor)):
+        if not 0.0 <= value < float("inf"):
+            _fail(f"kimi attn_res_quant: {name}={value} must be a finite non-negative float")
+    ub = q.scale_ub
+    if ub is not None and (ub.numel() != 1 or ub.dtype != torch.float32
+                           or ub.device != q.prefix.device):
+        _fail(f"kimi attn_res_quant: scale_ub must be a one-element float32 tensor on "
+              f"{q.prefix.device} (vLLM's QuantFP8 scale_ub), got shape {tuple(ub.shape)}, "
+              f"{ub.dtype} on {ub.device}")
 
 
 def validate_mix_backward(b: MixBackwardArgs) -> None:

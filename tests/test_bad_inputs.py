@@ -89,6 +89,8 @@ def call_op(op_name: str, over: dict, fake: bool):
         a = op_args(**over)
         if op_name == "attn_res_mix":
             return OPS.attn_res_mix(*(a[k] for k in MIX_KEYS))
+        if op_name.startswith("attn_res_quant"):  # the mixture's checks come first
+            return getattr(OPS, op_name)(*a.values(), torch.float8_e4m3fn)
         return getattr(OPS, op_name)(*a.values())
 
     if fake:
@@ -171,7 +173,8 @@ RULES = [
 def op_cases() -> list[Case]:
     cases = []
     for rule, over, regex, on_mix in RULES:
-        for op_name in ("attn_res", "attn_res_capture") + (("attn_res_mix",) if on_mix else ()):
+        for op_name in ("attn_res", "attn_res_capture", "attn_res_quant",
+                        "attn_res_quant_capture") + (("attn_res_mix",) if on_mix else ()):
             for fake in (False, True):
                 mode = "fake" if fake else "eager"
                 cases.append(Case(

@@ -44,18 +44,19 @@ def test_op_smoke(tmp_path):
 
 @pytest.mark.heavy
 def test_every_section_runs_at_a_tiny_size(tmp_path):
-    """``bench --only op,tap,pass,compile``: each section runs and reports, with no error
-    (what ``bench --quick`` runs, and the compile section it leaves out)."""
+    """``bench --only op,tap,pass,compile,quant``: each section runs and reports, with no
+    error (what ``bench --quick`` runs, and the compile and quant sections it leaves out)."""
     out = tmp_path / "bench.json"
-    rc = bench.main(["--quick", "--only", "op,tap,pass,compile", "--T", "1", "--H", "64",
+    rc = bench.main(["--quick", "--only", "op,tap,pass,compile,quant", "--T", "1", "--H", "64",
                      "--blocks", "2", "--dtypes", "float32", "--variants", "read",
                      "--no-compiled", "--no-peers", "--rounds", "2", "--block-ms", "1",
                      "--threads", "1", "--tap-layers", "2", "--tap-hidden", "64",
-                     "--tap-T", "8", "--pass-layers", "2", "--layers", "1", "2", "--no-plot",
-                     "--out", str(out)])
+                     "--tap-T", "8", "--pass-layers", "2", "--layers", "1", "2",
+                     "--quant-T", "1", "8", "--quant-H", "64", "--quant-blocks", "2",
+                     "--no-plot", "--out", str(out)])
     res = json.loads(out.read_text())
     assert rc == 0 and "errors" not in res, res.get("errors")
-    assert res["sections"] == ["op", "tap", "pass", "compile"]
+    assert res["sections"] == ["op", "tap", "pass", "compile", "quant"]
     tap = res["tap"]
     assert tap["tap_max_rel_err_vs_ground_truth"]["attn_res"] < 1e-5
     assert tap["tap_max_rel_err_vs_ground_truth"]["vllm_style"] < 1e-5
@@ -67,6 +68,9 @@ def test_every_section_runs_at_a_tiny_size(tmp_path):
     points = res["compile"]["points"]
     assert [p["num_layers"] for p in points] == [1, 2]
     assert all(p["pass_calls"] > 0 and p["total_s"] > 0 for p in points)
+    quant = res["quant"]["rows"]
+    assert [r["T"] for r in quant] == [1, 8]
+    assert all(r["bytes_and_scales_equal"] and r["speedup"]["n"] >= 2 for r in quant)
 
 
 def test_op_bytes_counts_each_stream_once():

@@ -212,3 +212,33 @@ def test_k3_tiny_cuda_graphs_replay_with_new_inputs(monkeypatch):
                                            msg=f"replay {step}, capture id {k}")
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
     assert len(backend.aux_pass.last_rewrites) == len(cfg.aux_layer_ids)
+
+
+@pytest.mark.parametrize("route", ["row", "decode"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_quant_is_the_quant_of_the_routes_output_cuda(case, dtype, route):
+    """The compiled quant epilogue (the GPU's fp8 conversion, ``div_rn``): bytes and scales
+    equal ``fp8_quant.quantize_rows`` (torch on the GPU) of the same route's unquantized
+    output, bit for bit, in both fp8 dtypes and both quant forms; in-place effects and the
+    captured mixture as that launch's."""
+    from kimi_passes.ops import attn_res_quant_capture_triton, quant_fp8_constants
+    from kimi_passes.ops.attn_res_args import AttnResQuantArgs
+    from kimi_passes.ops.fp8_quant import quantize_rows
+
+    T, H, NB, nb, write, delta, onorm = case
+    args = make_args(T, H, NB, nb, write, dtype, delta=delta, onorm=onorm)
+    plain = clone_args(args)
+    out, mixed = attn_res_capture_triton(*plain, route=route)
+    for qd in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+        for extra in ({}, dict(quant_fp8_constants(qd), scale_ub=torch.ones(1, device=DEV))):
+            got = clone_args(args)
+            data, scale, got_mixed = attn_res_quant_capture_triton(*got, qd, route=route,
+                                                                   **extra)
+            want = quantize_rows(out, AttnResQuantArgs(*args, qd, **extra))
+            assert torch.equal(data.view(torch.uint8), want[0].view(torch.uint8)), (qd, extra)
+            assert torch.equal(scale, want[1]), (qd, extra)
+            assert torch.equal(got_mixed, mixed)
+            assert torch.equal(got[0], plain[0]) and torch.equal(got[2], plain[2])
+            d2, s2 = OPS.attn_res_quant(*clone_args(args), qd, **extra)  # CUDA dispatch
+            assert d2.device.type == "cuda" and d2.dtype == qd and s2.shape == (T, 1)

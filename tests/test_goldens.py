@@ -37,6 +37,7 @@ from kimi_passes import AuxCaptureError, AuxStreamPass, graph_text
 from kimi_passes.debug.graph_text import KIMI_OPS, MIXTURE_OPS, kimi_op_counts
 from kimi_passes.debug.recording import GraphRecorder
 from kimi_passes.graphs import K3Config, K3Model
+from kimi_passes.quant import FuseQuantPass
 
 GOLDEN_DIR = Path(kimi_passes.graphs.__file__).resolve().parent / "golden"
 FAST = {"fallback_by_default": True}
@@ -111,28 +112,30 @@ def compile_stage(model, *inputs, dynamic: bool = False, **options):
     return recorder, out, taps
 
 
-def small(num_layers=3, block_size=2, taps=(0, 2, 3), dtype=torch.float32) -> K3Config:
+def small(num_layers=3, block_size=2, taps=(0, 2, 3), dtype=torch.float32,
+          fp8_inputs=None) -> K3Config:
     return K3Config(num_layers=num_layers, hidden_size=16, attn_res_block_size=block_size,
                     num_heads=2, intermediate_size=32, vocab_size=64,
-                    aux_layer_ids=taps, dtype=dtype)
+                    aux_layer_ids=taps, dtype=dtype, fp8_inputs=fp8_inputs)
 
 
 def ids(T: int = 5) -> torch.Tensor:
     return torch.arange(T) * 7 % 64
 
 
-def counts(attn_res=0, capture=0, mix=0, tap=0) -> dict[str, int]:
+def counts(attn_res=0, capture=0, mix=0, tap=0, quant=0, quant_capture=0) -> dict[str, int]:
     """kimi_op_counts of a golden graph: these ops as given, every other kimi op 0."""
     return {**dict.fromkeys(KIMI_OPS, 0), "attn_res": attn_res, "attn_res_capture": capture,
-            "attn_res_mix": mix, "aux_tap": tap}
+            "attn_res_mix": mix, "aux_tap": tap, "attn_res_quant": quant,
+            "attn_res_quant_capture": quant_capture}
 
 
 class TestGoldens(GoldenTestCase):
     def check(self, name, model, inputs, *, op_counts, stream="attn_res", dynamic=False,
               **options):
         """Compile, compare the golden, the op counts and the taps; returns the recorder."""
-        rec, _, taps = compile_stage(model, *inputs, dynamic=dynamic, aux_stream=stream,
-                                     **options)
+        rec, self.out, taps = compile_stage(model, *inputs, dynamic=dynamic,
+                                            aux_stream=stream, **options)
         self.assertEqual(len(rec.graphs), 1)
         self.assertGolden(name, rec.last.text("kimi"))
         self.assertEqual(kimi_op_counts(rec.last.after), op_counts)
@@ -250,6 +253,22 @@ class TestGoldens(GoldenTestCase):
         text = rec.last.text("skeleton")
         self.assertIn("input s0: Sym(s0)", text)
         self.assertIn("f32[s0, 16]", text)
+
+    # -- FP8 projections: each layer's AttnRes outputs quantized per token -------------------
+    def test_fp8_inputs(self):
+        """A bf16 K3 whose attention and MLP read their input quantized per token (the AMD
+        kernel's formula): FuseQuantPass makes each of the 6 layer sites one quantizing
+        call, the 2 tapped ones capture variants; the output aggregation (read by the
+        final norm and tap 3) stays attn_res. The fused model's output equals the unfused
+        one's bit for bit."""
+        model = K3Model(small(dtype=torch.bfloat16, fp8_inputs=torch.float8_e4m3fn))
+        rec = self.check("fp8_inputs", model, (ids(),),
+                         op_counts=counts(attn_res=1, quant=4, quant_capture=2))
+        self.assertEqual(rec.last.counts("before")["attn_res_quant"], 0)
+        self.assertEqual([f.skipped for f in rec.backend.passes.get(FuseQuantPass).last_fusions],
+                         [None] * 6)
+        unfused = compile_stage(model, ids(), fuse_quant=False)[1]
+        self.assertTrue(torch.equal(self.out, unfused))
 
     # -- the boundary refusal -------------------------------------------------------------
     def test_boundary_refusal(self):

@@ -255,3 +255,23 @@ def test_vllm_amd_k3_kernel_builds_beside_ours_for_gfx942(compiled_run):
     assert [p["threads"] for p in peers] == [512, 256]  # its launch: 8 warps, then 4
     for r in ours:
         assert not r["spills"] and r["vgprs"] < min(p["vgprs"] for p in peers), (r, peers)
+
+
+def test_amd_quant_builds_have_no_scratch(compiled_run):
+    """The FP8 quant's launches for AMD, offline: gfx942 storing e4m3fnuz (vLLM's MI300
+    dtype) and gfx950 e4m3fn, the forward's quant superset at K3's width (row kernel) and
+    chunked, and the decode path's quant launches: no scratch, no spill, at most 1024
+    threads. The whole quant matrix: ``tools/kernel_build.py --only quant --target gfx942``
+    (and gfx950)."""
+    cases = [("quant-capture+delta+write+norm", "bfloat16", 7168),
+             ("quant-capture+delta+write+norm", "float32", 8192),
+             ("quant-capture+delta+write+norm", "float32", 16384),
+             ("dec-mix:quant+mix", "float32", 16384), ("dec-quant:ub+div", "bfloat16", 7168)]
+    results = json.loads(compiled_run(
+        "import json; print(json.dumps([kb.build_hip(*c, arch=a) for a in ('gfx942', "
+        "'gfx950') for c in json.loads(sys.argv[1])]))", json.dumps(cases)))
+    assert len(results) == 2 * len(cases)
+    for r in results:
+        assert not r["spills"] and r["scratch"] == 0 and r["threads"] <= 1024, r
+    assert {r["kernel"] for r in results} >= {"_attn_res_kernel", "_attn_res_chunked_kernel",
+                                              "_decode_quant_kernel"}

@@ -263,3 +263,61 @@ def test_wired_stack_one_dynamic_graph_every_T(monkeypatch):
             torch.testing.assert_close(compiled(x), model(x), atol=tol, rtol=tol,
                                        msg=lambda m, T=T: f"T={T}: {m}")
     assert lowered == [5, 5], lowered  # one graph for T >= 2, one for T = 1
+
+
+# (dtype, NB, num_blocks, block_write_idx, output norm, quant dtype, quant form)
+QUANT_CASES = [(dtype, *rest) for dtype in (torch.float32, torch.bfloat16) for rest in (
+    (4, 3, 2, True, torch.float8_e4m3fn, "amd"),
+    (4, 2, -1, False, torch.float8_e4m3fnuz, "quant_fp8_ub"),
+    (2, 0, 0, True, torch.float8_e4m3fn, "quant_fp8"))]
+
+
+def test_quant_ops_lower_to_the_cpu_paths_quant():
+    """``attn_res_quant`` / ``attn_res_quant_capture`` lowered (no kimi call, the fp8 cast in
+    Inductor's C++ code): the bytes and scales are the CPU path's quant statement applied to
+    the lowered ``attn_res`` output, bit for bit, in fp32 and bf16 (the bf16 output read back
+    rounded, not the fp32 value Inductor's C++ kernel would otherwise reuse); against the
+    eager op, equal on every row whose unquantized outputs are equal; the in-place effects
+    as the eager op's, bit for bit, and the captured mixture at the op tolerance."""
+    from kimi_passes.ops import quant_fp8_constants
+    from kimi_passes.ops.attn_res_args import AttnResQuantArgs
+    from kimi_passes.ops.fp8_quant import quantize_rows
+
+    def form(qd, name):
+        return {"amd": {}, "quant_fp8": quant_fp8_constants(qd),
+                "quant_fp8_ub": dict(quant_fp8_constants(qd), scale_ub=torch.tensor([0.5]))}[name]
+
+    argsets = [make_args(5, 32, nbt, nb, w, dtype, delta=True, onorm=on, seed=i, scale=3.0)
+               for i, (dtype, nbt, nb, w, on, _, _) in enumerate(QUANT_CASES)]
+
+    def f(flat):
+        res = []
+        for (_, _, _, _, _, qd, name), a in zip(QUANT_CASES, flat, strict=True):
+            plain = [x.clone() if isinstance(x, torch.Tensor) else x for x in a]
+            op = OPS.attn_res_quant_capture if len(res) % 4 == 0 else OPS.attn_res_quant
+            res.append(op(*a, qd, **form(qd, name)))
+            res.append(OPS.attn_res(*plain))
+        return res
+
+    compiled = [clone_args(a) for a in argsets]
+    got, code = compile_run(f, compiled)
+    assert kimi_calls(code) == 0
+    assert sum(c.count("float8_e4m3fn") for c in code) > 0  # the fp8 cast, in the C++ code
+    for i, (case, a, ca) in enumerate(zip(QUANT_CASES, argsets, compiled, strict=True)):
+        _, _, _, _, _, qd, name = case
+        q = AttnResQuantArgs(*a, qd, **form(qd, name))
+        quant, out = got[2 * i], got[2 * i + 1]
+        data, scale = quant[:2]
+        want = quantize_rows(out, q)
+        assert torch.equal(data.view(torch.uint8), want[0].view(torch.uint8)), case
+        assert torch.equal(scale, want[1]), case
+        ea = clone_args(a)
+        eager = OPS.attn_res_quant_capture(*ea, qd, **form(qd, name))
+        agree = (out == OPS.attn_res(*clone_args(a))).all(1)
+        bad = ((data.view(torch.uint8) != eager[0].view(torch.uint8)).any(1)
+               | (scale != eager[1]).any(1))
+        assert not (bad & agree).any(), case
+        if len(quant) == 3:  # the mixture, at the op tolerance (as the plain ops' lowering)
+            tol = OP_TOL[case[0]]
+            torch.testing.assert_close(quant[2], eager[2], atol=tol, rtol=tol)
+        assert torch.equal(ca[0], ea[0]) and torch.equal(ca[2], ea[2]), case

@@ -560,6 +560,14 @@ SCHEMAS = {
                         "Tensor(a2!) blocks, Tensor norm_weight, Tensor qk_weight, "
                         "Tensor? output_norm_weight, SymInt num_blocks, SymInt block_write_idx,"
                         " float eps, float output_norm_eps) -> (Tensor, Tensor)",
+    **{name: f"kimi::{name}(Tensor(a0!) prefix, Tensor? delta, Tensor(a2!) blocks, "
+             "Tensor norm_weight, Tensor qk_weight, Tensor? output_norm_weight, "
+             "SymInt num_blocks, SymInt block_write_idx, float eps, float output_norm_eps, "
+             "ScalarType quant_dtype, float quant_max=0., float amax_floor=1e-10, "
+             "float scale_floor=0., bool divide=False, Tensor? scale_ub=None) -> "
+             f"({returns})"
+       for name, returns in (("attn_res_quant", "Tensor, Tensor"),
+                             ("attn_res_quant_capture", "Tensor, Tensor, Tensor"))},
     "attn_res_mix": "kimi::attn_res_mix(Tensor prefix, Tensor blocks, Tensor norm_weight, "
                     "Tensor qk_weight, SymInt num_blocks, float eps) -> Tensor",
     "attn_res_mix_list": "kimi::attn_res_mix_list(Tensor[] sources, Tensor? norm_weight, "
@@ -598,7 +606,9 @@ def test_each_record_is_its_ops_argument_list():
     by_op = {"attn_res": records.AttnResArgs, "attn_res_capture": records.AttnResArgs,
              "attn_res_mix": records.MixArgs, "attn_res_mix_list": records.MixListArgs,
              "attn_res_mix_backward": records.MixBackwardArgs,
-             "attn_res_mix_list_backward": records.MixListBackwardArgs}
+             "attn_res_mix_list_backward": records.MixListBackwardArgs,
+             "attn_res_quant": records.AttnResQuantArgs,
+             "attn_res_quant_capture": records.AttnResQuantArgs}
     for name, record in by_op.items():
         arguments = getattr(OPS, name).default._schema.arguments
         assert [a.name for a in arguments] == list(record._fields), name
@@ -606,6 +616,8 @@ def test_each_record_is_its_ops_argument_list():
             record._field_defaults), name
         hints = typing.get_type_hints(record)
         tensor_fields = [f for f in record._fields if "Tensor" in str(hints[f])]
+        if record is records.AttnResQuantArgs:  # scale_ub: a quant constant, last (defaulted)
+            tensor_fields.remove("scale_ub")
         n = len(tensor_fields)
         assert record._fields[:n] == tuple(tensor_fields), name  # the tensors come first
         assert len(record._make(range(len(record._fields))).tensors) == n, name

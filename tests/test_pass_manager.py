@@ -35,12 +35,13 @@ def small_graph() -> torch.fx.Graph:
 @pytest.mark.parametrize("fuse,want", [
     (True, ["post_grad.0.AttnResFusionPass.before", "post_grad.0.AttnResFusionPass.after",
             "post_grad.1.AuxStreamPass.before", "post_grad.1.AuxStreamPass.after",
-            "post_grad.2.LowerKimiOps.before", "post_grad.2.LowerKimiOps.after"]),
+            "post_grad.2.FuseQuantPass.before", "post_grad.2.FuseQuantPass.after",
+            "post_grad.3.LowerKimiOps.before", "post_grad.3.LowerKimiOps.after"]),
     (False, ["post_grad.0.AuxStreamPass.before", "post_grad.0.AuxStreamPass.after",
              "post_grad.1.LowerKimiOps.before", "post_grad.1.LowerKimiOps.after"]),
 ])
 def test_dump_indices_follow_the_pass_order(dumped, fuse, want):
-    pass_manager(aux_stream="attn_res", fuse_torch_mixing=fuse)(small_graph())
+    pass_manager(aux_stream="attn_res", fuse_torch_mixing=fuse, fuse_quant=fuse)(small_graph())
     assert dumped == want
 
 

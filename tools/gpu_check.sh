@@ -40,6 +40,10 @@
 #      first, vLLM's attn_res left unrouted under kimi_backend: refused (AuxCaptureError)
 #      in the attn_res stream, runs in the prefix stream (Dynamo's real trace of the launch)
 #      (tools/vllm_k3_gpu.py; skipped, with the reason printed, where vLLM is not installed)
+#   5d. AttnRes + per-token FP8 quant: one compiled site (H=7168 nb=8 bf16) at T = 1, 8, 64,
+#      1024, fused (attn_res_quant, one kernel) against the unfused pair (attn_res, then
+#      Inductor's quant kernel), same bytes checked (bench --only quant; the CUDA tests of
+#      step 2 include tests/test_quant_fusion.py's bytes check on CUDA)
 #   6. (if time is left) the tap section on CUDA with a small K3
 #   7. (if time is left) peers at a power-of-two width (flash-attn-res needs one) and fp32
 #
@@ -154,6 +158,9 @@ step "whole K3 step on CUDA, T=1,8,64: kimi_backend vs plain Inductor" 120 \
         --rounds 7 --block-ms 20 | tee "$RESULTS/decode_cuda.txt"'
 step "vLLM K3 forward: vLLM's attn_res flag off / on / on compiled vs the kimi pass" 120 \
     "$PY" "$REPO/tools/vllm_k3_gpu.py" --T 1 8 256 --json "$RESULTS/vllm_k3.json"
+step "quant bench: AttnRes + FP8 quant fused vs the unfused pair, T=1,8,64,1024 H=7168" 90 \
+    bench --only quant --quant-T 1 8 64 1024 --quant-H 7168 --quant-blocks 8 \
+    --out "$RESULTS/quant.json" --text "$RESULTS/quant.txt"
 step "tap bench (small K3 on CUDA)" 100 \
     bench --only tap --quick --out "$RESULTS/tap.json" --text "$RESULTS/tap.txt"
 step "op bench: peers at H=4096 (flash-attn-res needs a power of 2) and fp32" 80 \
@@ -166,6 +173,7 @@ for s in "${STATUS[@]}"; do echo "  $s"; done
 grep -h -E "^ +(MET|MISS) " "$RESULTS"/*.txt 2>/dev/null | sort -u
 [ -f "$RESULTS/op_decode.txt" ] && { echo "--- decode sweep ---"; cat "$RESULTS/op_decode.txt"; }
 [ -f "$RESULTS/decode_cuda.txt" ] && { echo "--- whole K3 step ---"; cat "$RESULTS/decode_cuda.txt"; }
+[ -f "$RESULTS/quant.txt" ] && { echo "--- AttnRes + FP8 quant ---"; grep -A8 "== quant" "$RESULTS/quant.txt"; }
 {
     for s in "${STATUS[@]}"; do echo "$s"; done
     grep -h -E "^ +(MET|MISS) " "$RESULTS"/*.txt 2>/dev/null | sort -u

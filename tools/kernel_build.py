@@ -11,16 +11,21 @@ the cubin; a non-zero stack or local size is a spill (the kernels have no local 
 
 The backward (``ops/triton_backward.py``, its own ``launch_config``) is built the same way,
 one variant per non-empty set of gradients (``bwd:dprefix+dblocks+dw`` ... ``bwd:dw``), and
-so are the decode path's three launches (``ops/triton_decode.py``: ``dec-stats:*``,
-``dec-mix:*``, ``dec-norm:out``).
+so are the decode path's launches (``ops/triton_decode.py``: ``dec-stats:*``,
+``dec-mix:*``, ``dec-norm:*``, ``dec-quant:*``). ``attn_res_quant`` and its capture
+(``quant*`` variants, the FP8 epilogue of ``ops/triton_quant.py`` with ``scale_ub`` and the
+division) store ``float8_e4m3fn`` on sm_90, sm_100 and gfx950 and ``float8_e4m3fnuz`` on
+gfx942 (``fp8_type``), as vLLM runs those machines.
 
-Run (the whole matrix, 1224 builds, 996 distinct; ``--ci`` is the subset that
-tests/test_kernel_build.py builds: every forward variant at H = 7168 and 8192, elsewhere two
-of the forward's, and every backward variant and each decode launch's superset variant at
-every width, 612 builds, 444 of them distinct; build times: BENCHMARKS.md, "Offline kernel
-build"):
+Run (the whole matrix, 1944 builds, 1596 distinct; ``--ci`` is the subset that
+tests/test_kernel_build.py builds: every forward variant (the quant ones included) at
+H = 7168 and 8192, elsewhere three of the forward's, and every backward variant and each
+decode launch's superset variant at every width, 864 builds, 594 of them distinct; build
+times: BENCHMARKS.md, "Offline kernel build"; ``--only quant`` builds the quant variants
+alone):
 
-    python tools/kernel_build.py [--ci] [--jobs 2] [--json out.json] [--target gfx942]
+    python tools/kernel_build.py [--ci] [--only quant] [--jobs 2] [--json out.json] \
+                                 [--target gfx942]
 
 ``--target gfx942`` (or ``gfx950``) builds the same matrix for one AMD arch (``build_hip``).
 It prints one row per build and a summary per (target, dtype, H), and exits 1 when any build
@@ -80,7 +85,7 @@ _ELEM_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 def variants() -> list[tuple[str, dict]]:
     """Every flag set the op family launches: (name, flags)."""
-    out = []
+    out: list[tuple[str, dict]] = []
     for op, write_mix in (("attn_res", False), ("capture", True)):
         for delta in (True, False):
             for write in (True, False):
@@ -92,6 +97,23 @@ def variants() -> list[tuple[str, dict]]:
                                            WRITE_MIX=write_mix)))
     out.append(("mix", dict(HAS_DELTA=False, DO_WRITE=False, HAS_OUT_NORM=False,
                             WRITE_OUT=False, WRITE_MIX=True)))
+    # attn_res_quant / attn_res_quant_capture: the FP8 epilogue (ops/triton_quant.py) with
+    # scale_ub and the division (QuantFP8's form: one load and one division more than the
+    # AMD kernel's form, QUANT_FORMS[0]).
+    for op, write_mix in (("quant", False), ("quant-capture", True)):
+        for delta in (True, False):
+            for write in (True, False):
+                for norm in (True, False):
+                    name = (f"{op}{'+delta' if delta else ''}{'+write' if write else ''}"
+                            f"{'+norm' if norm else ''}")
+                    out.append((name, dict(HAS_DELTA=delta, DO_WRITE=write,
+                                           HAS_OUT_NORM=norm, WRITE_OUT=True,
+                                           WRITE_MIX=write_mix, QUANT=True, HAS_SCALE_UB=True,
+                                           DIVIDE=True)))
+    # e4m3fnuz on an NVIDIA GPU (no such Triton type there): the bytes stored by bits.
+    out.append(("quant-fnuz+delta+write+norm", dict(
+        HAS_DELTA=True, DO_WRITE=True, HAS_OUT_NORM=True, WRITE_OUT=True, WRITE_MIX=True,
+        QUANT=True, HAS_SCALE_UB=True, DIVIDE=True, FP8_SOFT_RTNE=2)))
     # attn_res_mix_backward (ops/triton_backward.py): every non-empty set of gradients.
     for dprefix in (True, False):
         for dblocks in (True, False):
@@ -113,8 +135,26 @@ def variants() -> list[tuple[str, dict]]:
             ("out+mix+norm", True, True, True), ("out+mix", True, True, False),
             ("mix", False, True, False)):
         out.append(("dec-mix:" + name, dict(WRITE_OUT=out_, WRITE_MIX=mix, HAS_OUT_NORM=norm)))
+    # A quant stages the output and each slice's max |value| (launch B or C), then launch D
+    # (``dec-quant``) quantizes it.
+    for name, mix in (("quant", False), ("quant+mix", True)):
+        out.append(("dec-mix:" + name, dict(WRITE_OUT=True, WRITE_MIX=mix, HAS_OUT_NORM=False,
+                                            QUANT=True)))
     out.append(("dec-norm:out", {}))
+    out.append(("dec-norm:quant", dict(QUANT=True)))
+    out.append(("dec-quant:ub+div", dict(HAS_SCALE_UB=True, DIVIDE=True)))
+    out.append(("dec-quant:ub+div+fnuz", dict(HAS_SCALE_UB=True, DIVIDE=True, FP8_SOFT_RTNE=2)))
     return out
+
+
+def is_quant(variant: str) -> bool:
+    return "quant" in variant
+
+
+def fp8_type(arch) -> str:
+    """The FP8 dtype a target's quant stores: e4m3fnuz (``fp8e4b8``) on gfx942, as vLLM runs
+    MI300; e4m3fn (``fp8e4nv``) on sm_90, sm_100 and gfx950."""
+    return "fp8e4b8" if arch == "gfx942" else "fp8e4nv"
 
 
 def is_backward(variant: str) -> bool:
@@ -142,11 +182,16 @@ def _op(variant: str) -> str:
 # The backward is built in every variant at every width: ptxas spilled it below that cap
 # (at 16 elements a thread: `bwd:dw` at 2048 and `bwd:dblocks` at 4096, fp32, sm_100, with
 # 96 and 80 registers), so no variant stands for the others.
-CI_VARIANTS = ("capture+delta+write+norm", "mix")
+# The quant variants (attn_res_quant and its capture) are forward variants: every one at
+# 7168 / 8192 (up to 122 registers of the 128 there, fp32 on sm_90), the superset elsewhere.
+CI_VARIANTS = ("capture+delta+write+norm", "mix", "quant-capture+delta+write+norm")
 CI_ALL_VARIANTS_AT = (7168, 8192)
 # The decode kernels: 128 threads (a 255-register cap) and at most 72 registers in the full
 # matrix; CI builds each launch's superset variant at every width (each slice width).
-CI_DECODE_VARIANTS = ("dec-stats:delta+write", "dec-mix:out+mix+norm", "dec-norm:out")
+# The quant's launch D (at most 22 registers in the full matrix) joins them; launches B and
+# C with the quant (at most 72 and 28, the full matrix) are built there only.
+CI_DECODE_VARIANTS = ("dec-stats:delta+write", "dec-mix:out+mix+norm", "dec-norm:out",
+                      "dec-quant:ub+div", "dec-quant:ub+div+fnuz")
 
 
 def _kernel_module(backward: bool = False):
@@ -176,7 +221,8 @@ def launch(variant: str, dtype: str, H: int, warp_size: int = 32):
         cfg = td.decode_config(H, SLOTS)
         kernel, consts = {"dec-stats": (td.STATS_KERNEL, cfg.stats),
                           "dec-mix": (td.MIX_KERNEL, cfg.mix),
-                          "dec-norm": (td.NORM_KERNEL, cfg.norm)}[_op(variant)]
+                          "dec-norm": (td.NORM_KERNEL, cfg.norm),
+                          "dec-quant": (td.QUANT_KERNEL, cfg.quant)}[_op(variant)]
         return kernel, dict(consts, num_warps=cfg.num_warps)
     extra = {"warp_size": warp_size} if is_backward(variant) else {}
     return tk.launch_config(H, getattr(torch, dtype), aligned=H % 16 == 0, slots=SLOTS, **extra)
@@ -201,7 +247,7 @@ def build_hip(variant: str, dtype: str, H: int, arch: str = HIP_ARCH) -> dict:
     and read the ``amdgcn`` listing's resource lines: VGPRs, SGPRs, their spill counts,
     scratch (a spill) and the waves per SIMD the compiler reports (``Occupancy``)."""
     fn, cfg = launch(variant, dtype, H, warp_size=64)
-    src, num_warps, _ = _ast_source(fn, cfg, variant, dtype, H)
+    src, num_warps, _ = _ast_source(fn, cfg, variant, dtype, H, fp8_type(arch))
     kernel = _compile(src, "hip", arch, 64, num_warps=num_warps)
     return dict(variant=variant, dtype=dtype, H=H, arch=arch, kernel=fn.fn.__name__,
                 num_warps=num_warps, threads=64 * num_warps, **_hip_usage(kernel, variant))
@@ -226,12 +272,16 @@ VLLM_AMD_KERNEL = "vllm/models/kimi_k3/amd/ops/attn_res.py"
 
 
 @functools.cache
-def _vllm_amd_kernel():
-    """vLLM's AMD K3 ``_attn_res_kernel``, read from the installed vLLM's file. Importing the
-    module would not do on a machine without a GPU: vLLM's ``triton_utils`` then hands out
-    placeholders for ``triton`` / ``tl``. So its two vLLM imports are replaced by triton's
-    (the kernel uses no other vLLM name) and the file is loaded from a temporary copy, once
-    a process: a new load is a new ``triton.jit`` function."""
+def vllm_amd_module():
+    """vLLM's AMD K3 kernel module (``_attn_res_kernel`` and its launcher ``attn_res``), read
+    from the installed vLLM's file. Importing the module would not do on a machine without a
+    GPU: vLLM's ``triton_utils`` then hands out placeholders for ``triton`` / ``tl``. So its
+    two vLLM imports are replaced (the kernel uses no other vLLM name): ``triton`` / ``tl``
+    by triton's, and ``get_fp8_min_max`` (which reads vLLM's platform) by a module global
+    ``QUANT_MAX`` bound that a caller sets per FP8 dtype (vLLM's: 448 for e4m3fn, 224 on
+    fnuz platforms) before a quantizing launch. The file is loaded from a temporary copy,
+    once a process: a new load is a new ``triton.jit`` function, in the mode triton was
+    imported in (compiled here; the interpreter in tests)."""
     import importlib.util
 
     spec = importlib.util.find_spec("vllm")
@@ -243,11 +293,16 @@ def _vllm_amd_kernel():
     imports = {"from vllm.triton_utils import tl, triton\n":
                "import triton\nimport triton.language as tl\n",
                "from vllm.model_executor.layers.quantization.utils.quant_utils import "
-               "get_fp8_min_max\n": ""}
+               "get_fp8_min_max\n":
+               "QUANT_MAX = None  # set by the caller\n\n\n"
+               "def get_fp8_min_max():\n"
+               "    if QUANT_MAX is None:\n"
+               "        raise RuntimeError('set QUANT_MAX on this module first')\n"
+               "    return -QUANT_MAX, QUANT_MAX\n"}
     for old, new in imports.items():
         if old not in text:
             raise SystemExit(f"kernel_build: {path} no longer has {old.strip()!r}; update "
-                             f"_vllm_amd_kernel for this vLLM")
+                             f"vllm_amd_module for this vLLM")
         text = text.replace(old, new)
     tmp = Path(tempfile.mkdtemp()) / "vllm_amd_attn_res.py"
     tmp.write_text(text)
@@ -255,7 +310,11 @@ def _vllm_amd_kernel():
     assert mod_spec is not None and mod_spec.loader is not None  # a .py file we just wrote
     module = importlib.util.module_from_spec(mod_spec)
     mod_spec.loader.exec_module(module)
-    return module._attn_res_kernel
+    return module
+
+
+def _vllm_amd_kernel():
+    return vllm_amd_module()._attn_res_kernel
 
 
 def build_vllm_amd(dtype: str, H: int, tokens: int, arch: str = HIP_ARCH, nb: int = SLOTS):
@@ -329,9 +388,9 @@ def build(variant: str, dtype: str, H: int, cc: int) -> dict:
     return build_config(fn, cfg, variant, dtype, H, cc)
 
 
-def _ast_source(fn, cfg: dict, variant: str, dtype: str, H: int):
+def _ast_source(fn, cfg: dict, variant: str, dtype: str, H: int, fp8: str = "fp8e4nv"):
     """``(source, num_warps, constexprs)`` of ``fn`` launched with ``cfg`` at width H, with
-    the specialisation such a launch gets."""
+    the specialisation such a launch gets (``fp8``: the quant's Triton FP8 type)."""
     from triton.compiler import ASTSource
 
     cfg = dict(cfg)
@@ -341,11 +400,15 @@ def _ast_source(fn, cfg: dict, variant: str, dtype: str, H: int):
     aligned = [["tt.divisibility", 16]]
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
-        if name in ("dw_ptr", "stats_ptr", "part_ptr", "ms_ptr"):  # fp32 workspaces
+        if name in ("dw_ptr", "stats_ptr", "part_ptr", "ms_ptr", "amax_ptr", "scale_ptr",
+                    "scale_ub_ptr"):  # fp32 workspaces, the quant's scales
             signature[name], attrs[(i,)] = "*fp32", aligned
+        elif name == "q_ptr":  # the quant's FP8 output (its bytes, when stored by bits)
+            signature[name] = "*u8" if flags.get("FP8_SOFT_RTNE") else "*" + fp8
+            attrs[(i,)] = aligned
         elif name.endswith("_ptr"):
             signature[name], attrs[(i,)] = ptr, aligned
-        elif name in ("eps", "out_eps"):
+        elif name in ("eps", "out_eps", "qmax", "inv_qmax", "amax_floor", "scale_floor"):
             signature[name] = "fp32"
         elif name in ("num_blocks", "skip_idx", "T", "n_splits"):
             signature[name] = "i32"  # small or any count: not divisible by 16 in general
@@ -361,6 +424,11 @@ def _ast_source(fn, cfg: dict, variant: str, dtype: str, H: int):
         constexprs["BF16_SOFT_RTNE"] = False
     if "LAUNCH_PDL" in fn.arg_names:  # opt-in (triton_kernels.pdl_launch): off unless asked
         constexprs.setdefault("LAUNCH_PDL", False)
+    for name in ("QUANT", "HAS_SCALE_UB", "DIVIDE"):  # no quant unless asked
+        if name in fn.arg_names:
+            constexprs.setdefault(name, False)
+    if "FP8_SOFT_RTNE" in fn.arg_names:  # 0: the hardware conversion; 2 stores e4m3fnuz by
+        constexprs.setdefault("FP8_SOFT_RTNE", 0)  # bits into uint8 (``--only`` fnuz-bits)
     missing = [n for n, t in signature.items() if t == "constexpr" and n not in constexprs]
     if missing:
         raise RuntimeError(f"kernel_build: no value for constexpr(s) {missing}; update "
@@ -412,20 +480,23 @@ def _build_star(args):
     return build(*args)
 
 
-def matrix(ci: bool) -> list[tuple[str, str, int, int]]:
+def matrix(ci: bool, only: str | None = None) -> list[tuple[str, str, int, int]]:
+    """``(variant, dtype, H, cc)`` of every build (``ci``: the CI subset); ``only``: the
+    variants whose name contains it."""
     every = [n for n, _ in variants()]
     backward = [n for n in every if is_backward(n)]
     forward = [n for n in every if not is_backward(n) and not is_decode(n)]
     names = (lambda H: every if not ci
              else [*(forward if H in CI_ALL_VARIANTS_AT else CI_VARIANTS), *backward,
                    *CI_DECODE_VARIANTS])
-    return [(v, d, H, cc) for cc in TARGETS for d in DTYPES for H in WIDTHS for v in names(H)]
+    return [(v, d, H, cc) for cc in TARGETS for d in DTYPES for H in WIDTHS for v in names(H)
+            if only is None or only in v]
 
 
-def run(ci: bool, jobs: int) -> list[dict]:
+def run(ci: bool, jobs: int, only: str | None = None) -> list[dict]:
     """Build the matrix. Widths that launch the same kernel, constexprs and specialisation
     (7168 and 8192: ``H`` is a run-time argument) share one build."""
-    todo = matrix(ci)
+    todo = matrix(ci, only)
     keys = []
     for v, d, H, cc in todo:
         fn, cfg = launch(v, d, H)
@@ -539,9 +610,9 @@ def _build_hip_star(args):
     return build_hip(*args)
 
 
-def run_hip(ci: bool, jobs: int, arch: str) -> list[dict]:
+def run_hip(ci: bool, jobs: int, arch: str, only: str | None = None) -> list[dict]:
     """The matrix (one target: ``arch``) built for AMD; every build, none shared."""
-    todo = sorted({(v, d, H) for v, d, H, _ in matrix(ci)})
+    todo = sorted({(v, d, H) for v, d, H, _ in matrix(ci, only)})
     with ProcessPoolExecutor(max(1, jobs)) as pool:
         return list(pool.map(_build_hip_star, [(*t, arch) for t in todo]))
 
@@ -587,6 +658,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-peer", action="store_true",
                     help="with an AMD --target: also build vLLM's AMD K3 kernel (needs vLLM)")
     ap.add_argument("--ci", action="store_true", help="the CI subset of variants")
+    ap.add_argument("--only", help="build only the variants whose name contains this "
+                                   "(e.g. quant)")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--from-json", type=Path, help="print the tables of an earlier --json")
@@ -594,7 +667,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     if a.target != "nvidia":
         results = (json.loads(a.from_json.read_text()) if a.from_json
-                   else run_hip(a.ci, a.jobs, a.target))
+                   else run_hip(a.ci, a.jobs, a.target, a.only))
         print(hip_summary(results))
         spills = [r for r in results if r["spills"] or r["threads"] > 1024]
         print(f"{len(results)} {a.target} builds in {time.perf_counter() - t0:.0f} s; "
@@ -607,7 +680,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.json:
             a.json.write_text(json.dumps(results, indent=1))
         return 1 if spills else 0
-    results = json.loads(a.from_json.read_text()) if a.from_json else run(a.ci, a.jobs)
+    results = json.loads(a.from_json.read_text()) if a.from_json else run(a.ci, a.jobs, a.only)
     print(table(results))
     print()
     print(summary(results))

@@ -1,12 +1,14 @@
 """Benchmarks: the AttnRes op, the cost of a tap, the cost of the pass, compile scaling.
 
 Run as ``python -m kimi_passes bench`` (examples and options in :mod:`.cli`). One module
-per section (``--only op,tap,pass,compile``), each saying in its docstring what it measures:
+per section (``--only op,tap,pass,compile,quant``), each saying in its docstring what it
+measures:
 
 ``op``        :mod:`.op`: ``torch.ops.kimi.attn_res`` against plain torch and a copy
 ``tap``       :mod:`.tap`: a compiled K3 step with its taps served three ways
 ``pass``      :mod:`.pass_cost`: the passes' share of a cold compile, and alone
 ``compile``   :mod:`.compile_time`: cold compile time against depth
+``quant``     :mod:`.quant`: an AttnRes site + per-token FP8 quant, fused or not
 
 :mod:`.harness` holds the timers and statistics, :mod:`.report` the text report and the
 plot, :mod:`.cli` the command line. Two benchmarks have command lines of their own:
@@ -46,14 +48,15 @@ from kimi_passes.bench.op import (
     plain_torch,
 )
 from kimi_passes.bench.pass_cost import TARGET_PASS_SHARE, bench_pass, time_pass
+from kimi_passes.bench.quant import bench_quant
 from kimi_passes.bench.report import format_report, plot
 from kimi_passes.bench.tap import TARGET_TAP_VS_PREFIX, bench_tap, eagle3_ids
 
 __all__ = [
     "DTYPES", "EPS", "OP_HEADER", "PEERS", "SECTIONS", "TARGET_PASS_SHARE", "TARGET_ROOFLINE",
     "TARGET_TAP_VS_PREFIX", "VARIANTS", "Config", "CpuTimer", "CudaTimer", "bench_compile",
-    "bench_op", "bench_pass", "bench_tap", "capture_graph", "cold_compile", "eagle3_ids",
-    "format_report", "k3_depth", "k3_ids", "linear_fit", "machine_info", "main",
+    "bench_op", "bench_pass", "bench_quant", "bench_tap", "capture_graph", "cold_compile",
+    "eagle3_ids", "format_report", "k3_depth", "k3_ids", "linear_fit", "machine_info", "main",
     "make_op_args", "op_bytes", "parse_args", "plain_torch", "plot", "ratio_summary",
     "summary", "time_pass", "warm_up_compiler",
 ]

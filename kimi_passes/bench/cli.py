@@ -4,9 +4,10 @@
     python -m kimi_passes bench --out bench.json         # the fuller CPU sweep (+ bench.png)
     python -m kimi_passes bench --device cuda --out gpu.json
     python -m kimi_passes bench --only op --T 1 64 --H 256 --blocks 2 --dtypes float32
+    python -m kimi_passes bench --only quant --threads 1  # AttnRes + FP8 quant, fused or not
 
-Sections run in the order ``--only`` gives (default ``op,tap,pass,compile``; ``--quick``:
-``op,tap,pass``); a section that raises is reported, the others still run, and the exit
+Sections run in the order ``--only`` gives (default ``op,tap,pass,compile,quant``;
+``--quick``: ``op,tap,pass``); a section that raises is reported, the others still run, and the exit
 status is 1.
 """
 
@@ -26,10 +27,11 @@ from kimi_passes.bench.compile_time import bench_compile
 from kimi_passes.bench.harness import CpuTimer, CudaTimer, machine_info, set_limits, target
 from kimi_passes.bench.op import DTYPES, OP_HEADER, TARGET_ROOFLINE, VARIANTS, bench_op
 from kimi_passes.bench.pass_cost import bench_pass
+from kimi_passes.bench.quant import bench_quant
 from kimi_passes.bench.report import format_report, plot
 from kimi_passes.bench.tap import bench_tap
 
-SECTIONS = ("op", "tap", "pass", "compile")
+SECTIONS = ("op", "tap", "pass", "compile", "quant")
 
 
 class Config:
@@ -92,6 +94,9 @@ class Config:
         self.pass_reps = 5 if quick else 9
         self.compile_T = 16
         self.layers = a.layers or ([2, 4] if quick else [8, 16, 32, 64, 93])
+        self.quant_T = a.quant_T or ([1, 64] if quick else [1, 8, 64, 1024])
+        self.quant_H = a.quant_H or (1024 if quick else 7168)
+        self.quant_blocks = a.quant_blocks or 8
 
 
 def parse_args(argv):
@@ -132,6 +137,10 @@ def parse_args(argv):
     ap.add_argument("--tap-T", type=int)
     ap.add_argument("--pass-layers", type=int, help="pass: depth (default 93, K3)")
     ap.add_argument("--layers", type=int, nargs="+", help="compile: depths to compile")
+    ap.add_argument("--quant-T", type=int, nargs="+",
+                    help="quant: token counts (default 1 8 64 1024)")
+    ap.add_argument("--quant-H", type=int, help="quant: hidden size (default 7168, K3's)")
+    ap.add_argument("--quant-blocks", type=int, help="quant: completed blocks mixed (default 8)")
     return ap.parse_args(argv)
 
 
@@ -187,6 +196,8 @@ def main(argv=None) -> int:
                 results["pass"] = bench_pass(cfg, log, cache)
             elif sec == "compile":
                 results["compile"] = bench_compile(cfg, log, cache)
+            elif sec == "quant":
+                results["quant"] = bench_quant(cfg, log)
         except Exception:  # noqa: BLE001 - report and go on with the other sections
             errors[sec] = traceback.format_exc()
             log(errors[sec])

@@ -111,6 +111,19 @@ def format_report(results: dict) -> str:
             w(f"   fit pass  = {fp['intercept'] * 1e3:.1f}ms + {fp['slope'] * 1e3:.2f}ms/layer "
               f"(R^2 {fp['r2']:.3f}); pass time/layer deepest/shallowest "
               f"{cp['pass_per_layer_ratio']:.2f}")
+    if "quant" in results:
+        w()
+        w("== quant: compiled AttnRes site + per-token FP8 quant, fused (attn_res_quant) vs "
+          "unfused ==")
+        w("   speedup = t(unfused) / t(fused) per round, median [IQR]; control = t(unfused) / "
+          "t(a second unfused compile)")
+        for r in results["quant"]["rows"]:
+            t = r["time_s"]
+            w(f"   T={r['T']:5d} H={r['H']} nb={r['nb']} {r['dtype']}: fused "
+              f"{t['fused']['median'] * 1e3:9.3f} ms, unfused {t['unfused']['median'] * 1e3:9.3f}"
+              f" ms, speedup {fmt_ratio(r['speedup'])}, control {fmt_ratio(r['control'])}, "
+              "bytes and scales equal: "
+              f"{r['bytes_and_scales_equal']}")
     if results.get("targets"):
         w()
         w("== targets ==")

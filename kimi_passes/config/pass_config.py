@@ -56,6 +56,11 @@ class KimiPassConfig:
         True,
         "AttnRes mixing written in plain torch becomes a kimi op first (`AttnResFusionPass`, "
         "docs/design.md section 8); False leaves it to Inductor")
+    fuse_quant: bool = _option(
+        True,
+        "an AttnRes output read only by a dynamic per-token FP8 quant (vLLM's `QuantFP8`, "
+        "the AMD kernel's formula) is quantized in the AttnRes kernel (`attn_res_quant`, "
+        "`FuseQuantPass`, docs/design.md section 10); False leaves the quant separate")
     lower_kimi_ops: bool = _option(
         True,
         "on CPU, once the passes have run, every kimi op call becomes generated code fused "

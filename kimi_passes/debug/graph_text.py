@@ -47,10 +47,12 @@ from kimi_passes.passes.fx_toolkit import AUTO_FUNCTIONALIZED, kimi_op
 
 VIEWS = ("full", "skeleton", "kimi")
 #: Every kimi op, as ``kimi_op_counts`` counts them.
-KIMI_OPS = ("attn_res", "attn_res_capture", "attn_res_mix", "attn_res_mix_list", "aux_tap",
+KIMI_OPS = ("attn_res", "attn_res_capture", "attn_res_quant", "attn_res_quant_capture",
+            "attn_res_mix", "attn_res_mix_list", "aux_tap",
             "attn_res_mix_backward", "attn_res_mix_list_backward")
 #: The ops a DOT drawing fills orange: those that produce or mark a mixture for a tap.
-MIXTURE_OPS = ("attn_res_capture", "attn_res_mix", "attn_res_mix_list", "aux_tap")
+MIXTURE_OPS = ("attn_res_capture", "attn_res_quant_capture", "attn_res_mix", "attn_res_mix_list",
+               "aux_tap")
 
 _DTYPES = {
     torch.float64: "f64", torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",

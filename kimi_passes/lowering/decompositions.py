@@ -20,11 +20,13 @@ from __future__ import annotations
 import torch
 
 from kimi_passes.ops.attn_res_args import (
+    AttnResQuantArgs,
     MixArgs,
     MixBackwardArgs,
     MixListArgs,
     MixListBackwardArgs,
 )
+from kimi_passes.ops.fp8_quant import quantize_rows
 from kimi_passes.ops.mix_list import folded_query
 
 
@@ -124,6 +126,39 @@ def attn_res(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight, 
     if capture:
         return out.to(dtype), mixed.to(dtype), x, new_blocks
     return out.to(dtype), x, new_blocks
+
+
+def _rounded(out: torch.Tensor) -> torch.Tensor:
+    """``out`` (16-bit) as a value Inductor's C++ code reads back rounded.
+
+    Inductor's C++ backend skips a ``to(bf16).to(float)`` round trip inside a kernel (it
+    reuses the fp32 value a bf16 store was made from, unless ``emulate_precision_casts``),
+    so the quant would read the unrounded output. Through a bitcast to int16 and back the
+    value is the stored 16 bits, whatever the kernel caches.
+    """
+    if out.element_size() != 2:
+        return out
+    return out.view(torch.int16).view(out.dtype)
+
+
+def attn_res_quant(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight, scale_ub,
+                   *, capture: bool, **const):
+    """``kimi.attn_res_quant`` / ``attn_res_quant_capture`` in functional form: ``attn_res``'s
+    statement, its output (rounded to the sources' dtype) quantized by the CPU path's own
+    statement (``fp8_quant.quantize_rows``). ``const``: the record's non-tensor fields.
+
+    Returns ``(data, scale, prefix', blocks')``, or ``(data, scale, mixed, prefix',
+    blocks')`` when ``capture``.
+    """
+    q = AttnResQuantArgs(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
+                         scale_ub=scale_ub, **const)
+    out, mixed, x, new_blocks = attn_res(
+        prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight, capture=True,
+        **{k: const[k] for k in ("num_blocks", "block_write_idx", "eps", "output_norm_eps")})
+    data, scale = quantize_rows(_rounded(out), q)
+    if capture:
+        return data, scale, mixed, x, new_blocks
+    return data, scale, x, new_blocks
 
 
 def attn_res_mix_backward(*args, **kwargs):

@@ -1,7 +1,8 @@
 """``LowerKimiOps``: on CPU, every kimi op of a post-grad graph becomes generated code.
 
-Invariant after the pass: no ``kimi.attn_res`` / ``attn_res_capture`` (bare or inside
-``auto_functionalized`` v1/v2), ``attn_res_mix``, ``attn_res_mix_list``,
+Invariant after the pass: no ``kimi.attn_res`` / ``attn_res_capture`` /
+``attn_res_quant`` / ``attn_res_quant_capture`` (bare or inside ``auto_functionalized``
+v1/v2), ``attn_res_mix``, ``attn_res_mix_list``,
 ``attn_res_mix_backward`` or ``attn_res_mix_list_backward`` call on a CPU tensor of the
 ops' dtypes is left; each is replaced by its ATen statement (``decompositions.py``),
 which Inductor compiles into C++ loops fused with its neighbours, with no Python op
@@ -36,10 +37,11 @@ import torch.utils._pytree as pytree
 from torch.fx import Graph, Node
 
 from kimi_passes.lowering import decompositions as dec
+from kimi_passes.ops.attn_res_args import AttnResQuantArgs
 from kimi_passes.ops.conventions import MUTATED_ARGS as MUTATED
 from kimi_passes.passes.base import KimiGraphPass
 from kimi_passes.passes.fx_toolkit import call_function
-from kimi_passes.passes.kimi_calls import AttnResCall, attn_res_calls
+from kimi_passes.passes.kimi_calls import AttnResCall, attn_res_calls, attn_res_quant_calls
 
 kimi = torch.ops.kimi
 #: The dtypes the statements are written for (fp32 accumulation); fp64 (the tests'
@@ -72,7 +74,7 @@ class LowerKimiOps(KimiGraphPass):
             self.last_lowered, self.last_kept = 0, ["all: Inductor's fallback_by_default"]
             return (["LowerKimiOps: kimi calls kept as ops (Inductor's fallback_by_default "
                      "generates no code)"] if _kimi_calls(graph) else [])
-        for call in attn_res_calls(graph):
+        for call in attn_res_calls(graph) + attn_res_quant_calls(graph):
             why = _why_not(call.base("prefix"))
             if why is None and call.is_v2:
                 why = _mutated_view(call)
@@ -98,7 +100,7 @@ class LowerKimiOps(KimiGraphPass):
 
 
 def _kimi_calls(graph: Graph) -> bool:
-    return bool(attn_res_calls(graph)) or any(
+    return bool(attn_res_calls(graph) or attn_res_quant_calls(graph)) or any(
         n.op == "call_function" and n.target in PURE for n in graph.nodes)
 
 
@@ -178,13 +180,25 @@ def _replace(graph: Graph, node: Node, outputs: dict) -> None:
     graph.erase_node(node)
 
 
+#: The quant ops' non-tensor arguments, passed to their statement as constants.
+_QUANT_CONSTS = ("num_blocks", "block_write_idx", "eps", "output_norm_eps", "quant_dtype",
+                 "quant_max", "amax_floor", "scale_floor", "divide")
+
+
 def _lower_attn_res(graph: Graph, call: AttnResCall) -> None:
     args = (call.base("prefix"), call.arg("delta"), call.base("blocks"),
             call.arg("norm_weight"), call.arg("qk_weight"), call.arg("output_norm_weight"))
-    const = {k: call.arg(k) for k in ("num_blocks", "block_write_idx", "eps",
-                                      "output_norm_eps")}
-    const["capture"] = call.op is kimi.attn_res_capture.default
-    outs = _inline(graph, call.node, dec.attn_res, args, const)
+    if call.op in (kimi.attn_res_quant.default, kimi.attn_res_quant_capture.default):
+        defaults = AttnResQuantArgs._field_defaults  # a default argument is not in kwargs
+        const = {k: call.node.kwargs.get(k, defaults.get(k)) for k in _QUANT_CONSTS}
+        const["capture"] = call.op is kimi.attn_res_quant_capture.default
+        outs = _inline(graph, call.node, dec.attn_res_quant, (*args, call.arg("scale_ub")),
+                       const)
+    else:
+        const = {k: call.arg(k) for k in ("num_blocks", "block_write_idx", "eps",
+                                          "output_norm_eps")}
+        const["capture"] = call.op is kimi.attn_res_capture.default
+        outs = _inline(graph, call.node, dec.attn_res, args, const)
     new = dict(enumerate(outs[:call.num_returns]))
     new.update({call.output_index(name): outs[call.num_returns + k]
                 for k, name in enumerate(MUTATED)})

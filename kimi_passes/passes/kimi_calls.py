@@ -32,6 +32,10 @@ from kimi_passes.passes.fx_toolkit import (
 kimi = torch.ops.kimi
 
 ATTN_RES_OPS = (kimi.attn_res.default, kimi.attn_res_capture.default)
+#: The quantizing forms (``kimi.attn_res_quant`` / ``attn_res_quant_capture``): the same
+#: arguments and effects, ``(data, scale[, mixed])`` returned. Kept apart from
+#: ``ATTN_RES_OPS``: the tap and fusion passes read only the unquantized ops.
+ATTN_RES_QUANT_OPS = (kimi.attn_res_quant.default, kimi.attn_res_quant_capture.default)
 AUX_TAP = kimi.aux_tap.default
 ATTN_RES_MIX = kimi.attn_res_mix.default
 
@@ -52,7 +56,8 @@ def layer_index(node: Node) -> int | None:
 
 @dataclass
 class AttnResCall:
-    """One functionalized ``kimi.attn_res`` / ``attn_res_capture`` call."""
+    """One functionalized ``kimi.attn_res`` / ``attn_res_capture`` call (or one of its
+    quantizing forms, ``ATTN_RES_QUANT_OPS``)."""
 
     node: Node
 
@@ -78,7 +83,8 @@ class AttnResCall:
 
     @property
     def num_returns(self) -> int:
-        return 2 if self.op is kimi.attn_res_capture.default else 1
+        """The op's own outputs (before the mutated bases' new values)."""
+        return len(self.op._schema.returns)
 
     def output_index(self, name: str) -> int:
         """getitem index of a mutated base's new value."""
@@ -104,6 +110,11 @@ class AttnResCall:
             f"{where} {self.op.name()}(num_blocks={self.arg('num_blocks')}, "
             f"block_write_idx={self.arg('block_write_idx')})"
         )
+
+
+def attn_res_quant_calls(graph: torch.fx.Graph) -> list[AttnResCall]:
+    """Every functionalized ``kimi.attn_res_quant`` / ``attn_res_quant_capture`` call."""
+    return [AttnResCall(n) for n in functional_calls(graph, ATTN_RES_QUANT_OPS)]
 
 
 def tap_args(tap: Node) -> tuple[Node, int]:

@@ -1,0 +1,97 @@
+"""Section ``quant``: an AttnRes site whose output a per-token FP8 quant reads, compiled
+whole, with the quant fused into the op (``fuse_quant=True``: one ``attn_res_quant``)
+against the same graph unfused (``fuse_quant=False``: ``attn_res``, then the quant).
+
+The site is K3's pre-attention mixing (delta, output norm; ``--quant-blocks`` completed
+blocks) in bf16 at ``--quant-H``; the quant is the AMD kernel's formula in plain torch
+(``graphs.k3.fp8_per_token``: ``scale = max(amax, 1e-10) * (1 / 448)``, float8_e4m3fn),
+which the pass recognises like vLLM's ``QuantFP8``. Per T, both graphs are compiled by
+``kimi_backend`` (static shapes, the kimi ops lowered to generated code on CPU, Inductor's
+``emulate_precision_casts`` on: without it Inductor's C++ backend quantizes the unfused
+graph's unrounded fp32 output), checked to return the same fp8 bytes and scales, then
+timed in interleaved rounds (the op section's timer): ``speedup`` is t(unfused) /
+t(fused) per round (> 1: fusing is faster), median and interquartile range.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kimi_passes.bench.harness import ratio_summary, summary
+from kimi_passes.graphs.k3 import fp8_per_token
+
+
+def site(prefix, delta, bank, norm_weight, qk_weight, output_norm_weight, nb: int, eps: float):
+    """One mixing site and the quant of its output."""
+    y = torch.ops.kimi.attn_res(prefix, delta, bank, norm_weight, qk_weight, output_norm_weight,
+                                nb, -1, eps, eps)
+    return fp8_per_token(y)
+
+
+def site_inputs(T: int, H: int, nb: int, device, seed: int = 0) -> list:
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16).to(device)
+
+    return [rnd(T, H), rnd(T, H), rnd(T, nb + 1, H), 1 + 0.1 * rnd(H),
+            rnd(H, scale=2.0 / H**0.5), 1 + 0.1 * rnd(H)]
+
+
+def bench_quant(cfg, log) -> dict:
+    from kimi_passes.debug.recording import graph_caches_off
+
+    # Caches off: a cached graph would skip the passes this section counts (and the reset
+    # between compiles makes each compile again on its first timed call).
+    with graph_caches_off():
+        return {"rows": [_row(cfg, log, T) for T in cfg.quant_T]}
+
+
+#: The compiles timed per T: fuse_quant for each, and a second unfused compile (the
+#: control: what identical code measures against itself in the same rounds).
+WAYS = (("fused", True), ("unfused", False), ("control", False))
+
+
+def _row(cfg, log, T: int) -> dict:
+    from kimi_passes import make_kimi_backend
+    from kimi_passes.quant import FuseQuantPass
+
+    H, nb, eps = cfg.quant_H, cfg.quant_blocks, 1e-6
+    inputs = site_inputs(T, H, nb, cfg.device)
+    compiled, fusions = {}, {}
+    for name, fuse in WAYS:
+        # emulate_precision_casts: the unfused graph rounds the AttnRes output to bf16
+        # before its quant, as eager and the fused op do (docs/design.md section 10).
+        backend = make_kimi_backend(fuse_quant=fuse, emulate_precision_casts=True)
+        torch._dynamo.reset()
+        fn: Any = torch.compile(site, backend=backend, fullgraph=True, dynamic=False)
+        args = [x.clone() for x in inputs]  # the prefix is updated in place: own inputs
+        with torch.no_grad():
+            outs = fn(*args, nb, eps)
+        compiled[name] = (fn, args, outs)
+        quant = next((p for p in backend.passes.passes if isinstance(p, FuseQuantPass)), None)
+        fusions[name] = 0 if quant is None else sum(f.skipped is None for f in quant.last_fusions)
+    if fusions != {"fused": 1, "unfused": 0, "control": 0}:
+        raise RuntimeError(f"quant bench at T={T}: expected 1 fused site with fuse_quant and "
+                           f"none without, got {fusions}")
+    (qf, sf), (qu, su) = compiled["fused"][2], compiled["unfused"][2]
+    same = bool(torch.equal(qf.view(torch.uint8), qu.view(torch.uint8)) and torch.equal(sf, su))
+    cands = {name: (lambda fn=fn, args=args: fn(*args, nb, eps))
+             for name, (fn, args, _) in compiled.items()}
+    with torch.no_grad():
+        samples = cfg.timer.run(cands)
+    row: dict[str, Any] = {
+        "T": T, "H": H, "nb": nb, "dtype": "bfloat16", "quant": "AMD formula, e4m3fn",
+        "bytes_and_scales_equal": same,
+        "time_s": {name: summary(s) for name, s in samples.items()},
+        "speedup": ratio_summary(samples["unfused"], samples["fused"]),
+        "control": ratio_summary(samples["unfused"], samples["control"]),
+    }
+    sp, ctl = row["speedup"], row["control"]
+    log(f"  T={T:5d} H={H} nb={nb}: fused {row['time_s']['fused']['median'] * 1e3:.3f}ms, "
+        f"unfused {row['time_s']['unfused']['median'] * 1e3:.3f}ms, "
+        f"unfused/fused {sp['median']:.2f} [{sp['q1']:.2f}-{sp['q3']:.2f}], "
+        f"control {ctl['median']:.2f} [{ctl['q1']:.2f}-{ctl['q3']:.2f}], bytes equal: {same}")
+    return row
