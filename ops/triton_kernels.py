@@ -62,6 +62,7 @@ import triton
 import triton.language as tl
 
 from .attn_res_args import AttnResArgs, AttnResQuantArgs
+from .fp8_quant import quantize_rows
 from .triton_chunked import (
     CHUNKED_KERNEL,
     INTERPRETED,
@@ -80,7 +81,6 @@ from .triton_quant import (
     quant_scale,
     store_fp8,
 )
-from .fp8_quant import quantize_rows
 from .validate import AttnResArgumentError, validate_quant, validate_sources
 
 
