@@ -52,7 +52,9 @@ def quantize_rows(out: torch.Tensor, q: AttnResQuantArgs) -> tuple[torch.Tensor,
     Plain torch, so the CPU lowering traces it as it stands."""
     qmax = quant_max(q)
     y = out.float()
-    amax = y.abs().amax(-1, keepdim=True)
+    # A row of no elements has amax 0 (the kernels' start value), so it takes the floors.
+    amax = (y.abs().amax(-1, keepdim=True) if y.shape[-1]
+            else y.new_zeros((y.shape[0], 1)))
     if q.scale_ub is not None:
         amax = amax.clamp(max=q.scale_ub.float())
     amax = amax.clamp(min=q.amax_floor)

@@ -198,3 +198,35 @@ def test_quant_dtype_must_be_a_dtype():
     args = make_args(3, 8, 2, 1, 0, F32, delta=True, onorm=True)
     with pytest.raises((TypeError, RuntimeError), match=re.escape("quant_dtype")):
         OPS.attn_res_quant(*args, "float8")
+
+
+def test_backward_through_the_quant_ops_is_refused():
+    """As the other mutating ops: no autograd formula, a loud refusal naming the remedy."""
+    for op in (OPS.attn_res_quant, OPS.attn_res_quant_capture):
+        args = make_args(3, 16, 2, 1, 0, F32, delta=True, onorm=True)
+        args[3].requires_grad_(True)
+        scale = op(*args, FN)[1]
+        with pytest.raises(RuntimeError, match=r"no autograd formula exists: it mutates "
+                                               r"prefix and blocks"):
+            scale.sum().backward()
+
+
+@pytest.mark.parametrize("shape", [(0, 16), (3, 0)], ids=str)
+def test_empty_calls(shape):
+    """No rows: empty outputs; rows of no elements: their scale is the floor's, on the CPU
+    path, the Triton launch and the fake kernel alike."""
+    from kimi_passes import ops
+
+    T, H = shape
+
+    def args():
+        return [torch.zeros(T, H), None, torch.zeros(T, 2, H), torch.ones(H), torch.ones(H),
+                None, 1, -1, 1e-6, 0.0, FN]
+
+    floor = torch.tensor(1e-10) * torch.tensor(1 / 448.0)
+    for data, scale in (OPS.attn_res_quant(*args()), ops.attn_res_quant_triton(*args())):
+        assert data.shape == (T, H) and data.dtype == FN and scale.shape == (T, 1)
+        assert torch.all(scale == floor)
+    with FakeTensorMode():
+        data, scale = OPS.attn_res_quant(*args())
+        assert data.shape == (T, H) and scale.shape == (T, 1)

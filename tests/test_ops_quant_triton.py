@@ -232,8 +232,10 @@ def test_vllm_amd_kernel_random_sweep(vllm_amd, capsys):
     stats: dict = {}
     for case in random_cases(int(os.environ.get("KIMI_PASSES_LONG_QUANT_CASES", "40"))):
         vllm_case(vllm_amd, case, stats)
-    with capsys.disabled():
-        print("\npath, dtype: rows, rows whose unquantized output differs from vLLM's, rows "
-              "whose bytes or scale differ, bytes that differ")
-        for (name, dtype), (rows, unq, q, b) in sorted(stats.items(), key=str):
-            print(f"{name:>6} {str(dtype):>15}: {rows} {unq} {q} {b}")
+        with capsys.disabled():  # as it goes: a long run stopped early still reports
+            print("\ncase (T, H, NB, nb, write, dtype, delta, onorm, quant, seed, scale):",
+                  case, flush=True)
+            print("path, dtype: rows, rows whose unquantized output differs from vLLM's, "
+                  "rows whose bytes or scale differ, bytes that differ (running totals)")
+            for (name, dtype), (rows, unq, q, b) in sorted(stats.items(), key=str):
+                print(f"{name:>6} {str(dtype):>15}: {rows} {unq} {q} {b}", flush=True)
