@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 import traceback
+from typing import cast
 
 import torch
 
@@ -42,7 +43,11 @@ CASES = [
 
 
 def _define_attention():
+    """The opaque attention op (defined once per process)."""
     import torch.nn.functional as F
+
+    if hasattr(torch.ops.kimi_stress, "attention"):
+        return torch.ops.kimi_stress.attention
 
     @torch.library.custom_op(ATTENTION_OP, mutates_args=(),
                              schema="(Tensor x, Tensor wq, Tensor wk, Tensor wv, "
@@ -63,7 +68,6 @@ def _define_attention():
 
 
 def _model(num_layers, block_size, hidden, dtype):
-    import torch
 
     from kimi_passes.graphs.k3 import K3Config, K3Model
 
@@ -79,14 +83,17 @@ def _model(num_layers, block_size, hidden, dtype):
                                 self.v_proj.weight, self.num_heads))
 
     for layer in model.layers.values():
-        layer.self_attn.forward = forward.__get__(layer.self_attn)
+        attention = cast(torch.nn.Module, layer.self_attn)
+        attention.forward = forward.__get__(attention)
     return model, cfg
 
 
-def piecewise_backend(lower: bool):
+def piecewise_backend(lower: bool, stats: dict | None = None):
     """A Dynamo backend that compiles as vLLM does: split at the attention op, each other
-    piece through ``compile_fx`` with the kimi passes alone as the post-grad custom pass."""
-    import torch
+    piece through ``compile_fx`` with the kimi passes alone as the post-grad custom pass.
+
+    ``stats`` (when given) counts the kimi calls the lowering lowered and kept, over the
+    pieces Inductor compiled (a piece the FX graph cache serves runs no pass)."""
     from torch._inductor.compile_fx import compile_fx
     from torch.fx.passes.split_module import split_module
 
@@ -98,14 +105,13 @@ def piecewise_backend(lower: bool):
         counter = [0]
 
         def part(node):
+            """The piece of ``node``: each attention call a piece of its own."""
             if node.op == "call_function" and node.target is target:
-                counter[0] += 1
-                part.at = counter[0]
-                counter[0] += 1
-                return part.at
+                counter[0] += 2
+                return counter[0] - 1
             return counter[0]
 
-        split = split_module(gm, None, part, keep_original_order=True)
+        split = split_module(gm, cast(torch.nn.Module, None), part, keep_original_order=True)
         passes = kimi_passes.pass_manager(lower_kimi_ops=lower)
         patches = {"post_grad_custom_post_pass": passes}
 
@@ -117,9 +123,14 @@ def piecewise_backend(lower: bool):
                            for n in sub.graph.nodes):
                     setattr(self.module, name, _Compiled(compile_fx(
                         sub, list(args), config_patches=patches)))
+                    if stats is not None and passes.lowering is not None:
+                        stats["lowered"] += passes.lowering.last_lowered
+                        stats["kept"] += len(passes.lowering.last_kept)
+                        passes.lowering.last_lowered, passes.lowering.last_kept = 0, []
                 return out
 
         fake = torch._guards.TracingContext.get().fake_mode
+        assert fake is not None  # a Dynamo backend runs under Dynamo's fake mode
         with fake:
             Compiler(split).run(*[
                 fake.from_tensor(a) if isinstance(a, torch.Tensor)
@@ -141,18 +152,18 @@ class _Compiled(torch.nn.Module):
         return self.fn(*args)
 
 
-def run_cases(lower: bool, rounds: int) -> dict:
-    """Compile every case ``rounds`` times in this process; count the failures."""
-    import torch
-
+def run_cases(lower: bool, rounds: int, cases=CASES) -> dict:
+    """Compile every case ``rounds`` times in this process (round ``r`` at ``T = 7 + r``)
+    and check its outputs and taps against the eager ground truth; count the failures."""
     _define_attention()
+    stats = {"lowered": 0, "kept": 0}
     compiles, failures = 0, []
     for r in range(rounds):
-        for case in CASES:
+        for case in cases:
             layers, S, H, dtype, dynamic = case
             model, cfg = _model(layers, S, H, dtype)
             torch._dynamo.reset()
-            compiled = torch.compile(model, backend=piecewise_backend(lower),
+            compiled = torch.compile(model, backend=piecewise_backend(lower, stats),
                                      fullgraph=True, dynamic=dynamic)
             ids = torch.randint(0, cfg.vocab_size, (7 + r,),
                                 generator=torch.Generator().manual_seed(r))
@@ -165,14 +176,14 @@ def run_cases(lower: bool, rounds: int) -> dict:
                     torch.testing.assert_close(g.float(), w.float(), atol=tol, rtol=tol)
             except Exception as e:  # counted and reported, never hidden
                 failures.append({"case": list(case), "round": r,
-                                 "error": f"{type(e).__name__}: {e}"[:200],
+                                 "error": f"{type(e).__name__}: {e}"[:300],
                                  "where": [ln[:160] for ln in
                                            traceback.format_exc().splitlines()[-4:-1]]})
-    return {"compiles": compiles, "failures": failures}
+    return {"compiles": compiles, "failures": failures, **stats}
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--processes", type=int, default=5)
     p.add_argument("--rounds", type=int, default=2, help="compiles of each case per process")
     p.add_argument("--lower", choices=("on", "off"), default="on")
@@ -182,9 +193,14 @@ def main(argv=None) -> int:
     if a.child:
         print(json.dumps(run_cases(a.lower == "on", a.rounds)))
         return 0
+    import kimi_passes
+
     cache = a.cache_dir or tempfile.mkdtemp(prefix="kimi-stress-")
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, OMP_NUM_THREADS="1")
-    total, failed = 0, 0
+    # The children import the kimi_passes this process imported (this checkout).
+    root = os.path.dirname(os.path.dirname(os.path.abspath(kimi_passes.__file__)))
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    total, failed, lowered, kept = 0, 0, 0, 0
     for i in range(a.processes):
         t0 = time.monotonic()
         out = subprocess.run([sys.executable, __file__, "--child", "--lower", a.lower,
@@ -198,10 +214,11 @@ def main(argv=None) -> int:
         res = json.loads(out.stdout.strip().splitlines()[-1])
         total += res["compiles"]
         failed += len(res["failures"])
+        lowered, kept = lowered + res["lowered"], kept + res["kept"]
         print(json.dumps({"process": i, "s": round(time.monotonic() - t0, 1), **res}),
               flush=True)
     print(json.dumps({"lower": a.lower, "compiles": total, "failures": failed,
-                      "cache": cache}))
+                      "calls_lowered": lowered, "calls_kept": kept, "cache": cache}))
     return 1 if failed else 0
 
 
