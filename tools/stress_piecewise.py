@@ -152,9 +152,10 @@ class _Compiled(torch.nn.Module):
         return self.fn(*args)
 
 
-def run_cases(lower: bool, rounds: int, cases=CASES) -> dict:
-    """Compile every case ``rounds`` times in this process (round ``r`` at ``T = 7 + r``)
-    and check its outputs and taps against the eager ground truth; count the failures."""
+def run_cases(lower: bool, rounds: int, cases=CASES, shift: int = 0) -> dict:
+    """Compile every case ``rounds`` times in this process (round ``r`` at
+    ``T = 7 + shift + r``) and check its outputs and taps against the eager ground truth;
+    count the failures."""
     _define_attention()
     stats = {"lowered": 0, "kept": 0}
     compiles, failures = 0, []
@@ -165,7 +166,7 @@ def run_cases(lower: bool, rounds: int, cases=CASES) -> dict:
             torch._dynamo.reset()
             compiled = torch.compile(model, backend=piecewise_backend(lower, stats),
                                      fullgraph=True, dynamic=dynamic)
-            ids = torch.randint(0, cfg.vocab_size, (7 + r,),
+            ids = torch.randint(0, cfg.vocab_size, (7 + shift + r,),
                                 generator=torch.Generator().manual_seed(r))
             compiles += 1
             try:
@@ -188,10 +189,14 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="compiles of each case per process")
     p.add_argument("--lower", choices=("on", "off"), default="on")
     p.add_argument("--cache-dir", help="shared Inductor cache (default: a fresh temp dir)")
-    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--shift-t", action="store_true",
+                   help="process i compiles at T = 7 + i + round: its static cases miss the "
+                        "cache while its dynamic ones hit")
+    p.add_argument("--child", type=int, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    if a.child:
-        print(json.dumps(run_cases(a.lower == "on", a.rounds)))
+    if a.child is not None:
+        print(json.dumps(run_cases(a.lower == "on", a.rounds,
+                                   shift=a.child if a.shift_t else 0)))
         return 0
     import kimi_passes
 
@@ -203,9 +208,9 @@ def main(argv=None) -> int:
     total, failed, lowered, kept = 0, 0, 0, 0
     for i in range(a.processes):
         t0 = time.monotonic()
-        out = subprocess.run([sys.executable, __file__, "--child", "--lower", a.lower,
-                              "--rounds", str(a.rounds)], env=env, capture_output=True,
-                             text=True)
+        out = subprocess.run([sys.executable, __file__, "--child", str(i), "--lower", a.lower,
+                              "--rounds", str(a.rounds)] + ["--shift-t"] * a.shift_t,
+                             env=env, capture_output=True, text=True)
         if out.returncode:
             print(out.stderr[-3000:], file=sys.stderr)
             print(json.dumps({"process": i, "rc": out.returncode}))
@@ -217,7 +222,7 @@ def main(argv=None) -> int:
         lowered, kept = lowered + res["lowered"], kept + res["kept"]
         print(json.dumps({"process": i, "s": round(time.monotonic() - t0, 1), **res}),
               flush=True)
-    print(json.dumps({"lower": a.lower, "compiles": total, "failures": failed,
+    print(json.dumps({"lower": a.lower, "shift_t": a.shift_t, "compiles": total, "failures": failed,
                       "calls_lowered": lowered, "calls_kept": kept, "cache": cache}))
     return 1 if failed else 0
 
