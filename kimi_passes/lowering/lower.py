@@ -37,6 +37,7 @@ import torch.utils._pytree as pytree
 from torch.fx import Graph, Node
 
 from kimi_passes.lowering import decompositions as dec
+from kimi_passes.lowering.private_trace import PrivateTrace, TraceRefused
 from kimi_passes.ops.attn_res_args import AttnResQuantArgs
 from kimi_passes.ops.conventions import MUTATED_ARGS as MUTATED
 from kimi_passes.passes.base import KimiGraphPass
@@ -74,22 +75,34 @@ class LowerKimiOps(KimiGraphPass):
             self.last_lowered, self.last_kept = 0, ["all: Inductor's fallback_by_default"]
             return (["LowerKimiOps: kimi calls kept as ops (Inductor's fallback_by_default "
                      "generates no code)"] if _kimi_calls(graph) else [])
+        before = _shape_env_state(graph)
         for call in attn_res_calls(graph) + attn_res_quant_calls(graph):
             why = _why_not(call.base("prefix"))
             if why is None and call.is_v2:
                 why = _mutated_view(call)
-            if why:
-                kept.append(f"{call.node.name}: {why}")
-                continue
-            _lower_attn_res(graph, call)
-            lowered += 1
+            if why is None:
+                try:
+                    _lower_attn_res(graph, call)
+                    lowered += 1
+                    continue
+                except TraceRefused as e:
+                    why = str(e)
+            kept.append(f"{call.node.name}: {why}")
         for node in list(graph.nodes):
             if node.op != "call_function" or node.target not in PURE:
                 continue
             first = pytree.tree_leaves(node.args[0])[0]
             if _why_not(first) is None:  # elsewhere (CUDA) the op's own kernel runs
-                _lower_pure(graph, node)
-                lowered += 1
+                try:
+                    _lower_pure(graph, node)
+                    lowered += 1
+                except TraceRefused as e:
+                    kept.append(f"{node.name}: {e}")
+        if _shape_env_state(graph) != before:
+            raise AssertionError(
+                f"LowerKimiOps changed the graph's ShapeEnv ({before} -> "
+                f"{_shape_env_state(graph)}): a lowering statement must be traced in its "
+                "own fake mode (lowering/private_trace.py); please report this graph")
         _drop_self_copies(graph)
         graph.eliminate_dead_code()
         self.last_lowered, self.last_kept = lowered, kept
@@ -97,6 +110,18 @@ class LowerKimiOps(KimiGraphPass):
             return []
         return [f"LowerKimiOps: {lowered} kimi call(s) lowered to generated code"
                 + (f"; kept as ops: {'; '.join(kept)}" if kept else "")]
+
+
+def _shape_env_state(graph: Graph) -> tuple:
+    """What the graph's ``ShapeEnv`` holds that the lowering must never change: its
+    symbols, guards, replacements and runtime asserts (counts and names)."""
+    vals = [n.meta.get("val") for n in graph.nodes if n.op == "placeholder"]
+    mode = torch._guards.detect_fake_mode(vals)
+    env = mode.shape_env if mode is not None else None
+    if env is None:
+        return ()
+    return (sorted(map(str, env.var_to_range)), len(env.guards), len(env.replacements),
+            sum(len(v) for v in env.deferred_runtime_asserts.values()))
 
 
 def _kimi_calls(graph: Graph) -> bool:
@@ -132,7 +157,9 @@ def _mutated_view(call: AttnResCall) -> str | None:
 def _inline(graph: Graph, anchor: Node, fn, args, const: dict) -> list:
     """Trace ``fn(*args, **const)`` to ATen and insert it before ``anchor``; its outputs.
 
-    ``args`` may nest lists and hold None (pytree): only its nodes are traced inputs.
+    ``args`` may nest lists and hold None (pytree): only its nodes are traced inputs. The
+    trace runs in a fake mode of its own (``private_trace.py``): the graph's ``ShapeEnv``
+    gets no symbol and no guard from it. ``TraceRefused``: the call stays the op.
     """
     leaves, spec = pytree.tree_flatten(args)
     inputs = [x for x in leaves if isinstance(x, Node)]
@@ -147,9 +174,12 @@ def _inline(graph: Graph, anchor: Node, fn, args, const: dict) -> list:
     from torch._inductor.pattern_matcher import fwd_only
 
     vals = [n.meta["val"] for n in inputs]
-    mode = torch._guards.detect_fake_mode(vals)
-    with mode if mode is not None else torch._subclasses.FakeTensorMode():
-        traced = fwd_only(statement, vals)
+    trace = PrivateTrace(torch._guards.detect_fake_mode(vals))
+    mirrored = [trace.mirror(v) for v in vals]
+    # Nothing reads the compile's tracing context (its fake mode) during the trace.
+    with torch._guards.tracing(torch._guards.TracingContext(trace.mode)), trace.mode:
+        traced = fwd_only(statement, mirrored)
+    trace.check()
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     env: dict[Node, Any] = dict(zip(placeholders, inputs, strict=True))
     for n in traced.graph.nodes:
@@ -160,7 +190,8 @@ def _inline(graph: Graph, anchor: Node, fn, args, const: dict) -> list:
             env[n] = call_function(graph, n.target,
                                    torch.fx.map_arg(n.args, env.__getitem__),
                                    torch.fx.map_arg(n.kwargs, env.__getitem__),
-                                   before=anchor, stands_for=anchor)
+                                   before=anchor, stands_for=anchor,
+                                   val=trace.to_ambient(n.meta["val"]))
     raise AssertionError("LowerKimiOps: a traced statement without an output")
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable
-from typing import TypeGuard, cast
+from typing import Any, TypeGuard, cast
 
 import torch
 from torch._higher_order_ops.auto_functionalize import (
@@ -177,10 +177,12 @@ def fake_value(target, args, kwargs):
 
 
 def call_function(graph: Graph, target, args=(), kwargs=None, *, before: Node | None = None,
-                  after: Node | None = None, stands_for: Node | None = None) -> Node:
+                  after: Node | None = None, stands_for: Node | None = None,
+                  val: Any = None) -> Node:
     """Insert ``target(*args, **kwargs)`` right ``before`` or ``after`` a node.
 
-    ``meta["val"]`` is computed by fake-tensor propagation; the ``PROVENANCE`` metadata
+    ``meta["val"]`` is ``val`` when given, else computed by fake-tensor propagation
+    (running ``target`` in the inputs' fake mode); the ``PROVENANCE`` metadata
     is copied from ``stands_for`` (default: the node it is inserted next to), and so is
     ``INPUT_CONSTRAINTS`` when the new node reads exactly ``stands_for``'s inputs (a call
     swapped for another op). A node reading other inputs gets none: Inductor then leaves
@@ -193,7 +195,7 @@ def call_function(graph: Graph, target, args=(), kwargs=None, *, before: Node | 
     where = graph.inserting_before(before) if before is not None else graph.inserting_after(after)
     with where:
         node = graph.call_function(target, tuple(args), dict(kwargs or {}))
-    node.meta["val"] = fake_value(target, node.args, node.kwargs)
+    node.meta["val"] = val if val is not None else fake_value(target, node.args, node.kwargs)
     source = stands_for if stands_for is not None else anchor
     node.meta.update({k: source.meta[k] for k in PROVENANCE if k in source.meta})
     if INPUT_CONSTRAINTS in source.meta and node.all_input_nodes == source.all_input_nodes:
