@@ -269,7 +269,7 @@ def test_wired_stack_one_dynamic_graph_every_T(monkeypatch):
 QUANT_CASES = [(dtype, *rest) for dtype in (torch.float32, torch.bfloat16) for rest in (
     (4, 3, 2, True, torch.float8_e4m3fn, "amd"),
     (4, 2, -1, False, torch.float8_e4m3fnuz, "quant_fp8_ub"),
-    (2, 0, 0, True, torch.float8_e4m3fn, "quant_fp8"))]
+    (2, 0, 0, True, torch.float8_e4m3fn, "cuda_op"))]
 
 
 def test_quant_ops_lower_to_the_cpu_paths_quant():
@@ -284,7 +284,7 @@ def test_quant_ops_lower_to_the_cpu_paths_quant():
     from kimi_passes.ops.fp8_quant import quantize_rows
 
     def form(qd, name):
-        return {"amd": {}, "quant_fp8": quant_fp8_constants(qd),
+        return {"amd": {}, "cuda_op": dict(quant_fp8_constants(qd), divide_values=True),
                 "quant_fp8_ub": dict(quant_fp8_constants(qd), scale_ub=torch.tensor([0.5]))}[name]
 
     argsets = [make_args(5, 32, nbt, nb, w, dtype, delta=True, onorm=on, seed=i, scale=3.0)
