@@ -96,7 +96,8 @@ class AttnResQuantArgs(NamedTuple):
 
     The defaults are vLLM's AMD K3 kernel's quant (``scale = max(amax, 1e-10) * (1 / qmax)``);
     ``amax_floor=0.0, scale_floor=1 / (qmax * 512), divide=True`` (and ``scale_ub``) are
-    vLLM's ``QuantFP8`` per-token native form (``scale = max(amax / qmax, floor)``).
+    vLLM's ``QuantFP8`` per-token native form (``scale = max(amax / qmax, floor)``), and
+    with ``divide_values=True`` vLLM's CUDA op ``_C::dynamic_per_token_scaled_fp8_quant``.
     """
 
     prefix: torch.Tensor  # [T, H], updated in place by delta
@@ -115,6 +116,7 @@ class AttnResQuantArgs(NamedTuple):
     scale_floor: float = 0.0  # scale = max(scale, scale_floor), after it
     divide: bool = False  # scale = amax / qmax (True) or amax * (1 / qmax) (False)
     scale_ub: torch.Tensor | None = None  # [1] fp32: amax = min(amax, scale_ub) first
+    divide_values: bool = False  # data = y / scale (True) or y * (1 / scale) (False)
 
     @property
     def base(self) -> AttnResArgs:

@@ -9,14 +9,17 @@ stores and its quant then reads), in fp32 (docs/design.md, "FP8 output quant")::
     amax  = max(amax, amax_floor)
     scale = amax / qmax  if divide  else  amax * (1 / qmax)     (1 / qmax rounded to fp32)
     scale = max(scale, scale_floor)
-    data  = clamp(y * (1 / scale), -qmax, qmax).to(quant_dtype)  (round to nearest even)
+    data  = clamp(y / scale  if divide_values  else  y * (1 / scale), -qmax, qmax)
+            .to(quant_dtype)                                             (round to nearest even)
 
 ``qmax`` is ``quant_max`` where positive, else vLLM's ``get_fp8_min_max()`` bound for the
 dtype: 448 for ``float8_e4m3fn``, 224 for ``float8_e4m3fnuz`` (the platform bound vLLM uses
 on ROCm, not the dtype's 240). The defaults (``amax_floor=1e-10``, ``scale_floor=0``,
 ``divide=False``) are vLLM's AMD K3 kernel's quant; ``amax_floor=0``,
 ``scale_floor=1 / (qmax * 512)``, ``divide=True`` (with or without ``scale_ub``) are vLLM's
-``QuantFP8`` per-token native form. ``quantize_rows`` is that statement in torch: the CPU
+``QuantFP8`` per-token native form; those with ``divide_values=True`` are vLLM's CUDA op
+``_C::dynamic_per_token_scaled_fp8_quant`` (its kernel divides each value by the scale).
+``quantize_rows`` is that statement in torch: the CPU
 path and the CPU lowering run it; the Triton kernels compute the same operations in the
 same order (``ops/triton_quant.py``).
 """
@@ -40,7 +43,8 @@ def quant_max(q: AttnResQuantArgs) -> float:
 
 def quant_fp8_constants(quant_dtype: torch.dtype, qmax: float | None = None) -> dict:
     """The quant fields that make ``attn_res_quant`` vLLM's ``QuantFP8`` per-token native
-    form with bound ``qmax`` (default: vLLM's for the dtype); pass ``scale_ub`` apart."""
+    form with bound ``qmax`` (default: vLLM's for the dtype); pass ``scale_ub`` apart (and
+    ``divide_values=True`` for vLLM's CUDA op, whose scale is the same)."""
     qmax = FP8_MAX[quant_dtype] if qmax is None else qmax
     return dict(quant_max=qmax, amax_floor=0.0,
                 scale_floor=1.0 / (qmax * QUANT_FP8_SCALE_FLOOR_FACTOR), divide=True)
@@ -60,5 +64,6 @@ def quantize_rows(out: torch.Tensor, q: AttnResQuantArgs) -> tuple[torch.Tensor,
     amax = amax.clamp(min=q.amax_floor)
     scale = amax / qmax if q.divide else amax * (1.0 / qmax)
     scale = scale.clamp(min=q.scale_floor)
-    data = (y * scale.reciprocal()).clamp(-qmax, qmax).to(q.quant_dtype)
+    scaled = y / scale if q.divide_values else y * scale.reciprocal()
+    data = scaled.clamp(-qmax, qmax).to(q.quant_dtype)
     return data.contiguous(), scale  # contiguous whatever out's layout (the fake's)

@@ -112,6 +112,7 @@ def _attn_res_chunked_kernel(
     QUANT: tl.constexpr,
     HAS_SCALE_UB: tl.constexpr,
     DIVIDE: tl.constexpr,
+    DIVIDE_VALUES: tl.constexpr,
     FP8_SOFT_RTNE: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -221,8 +222,8 @@ def _attn_res_chunked_kernel(
             cols = c + lanes
             hmask = cols < H
             y = tl.load(out_ptr + row * stride_o + cols, mask=hmask, other=0.0).to(tl.float32)
-            store_fp8(q_ptr + row * stride_q + cols, quant_rows(y, qscale, qmax), hmask,
-                      FP8_SOFT_RTNE)
+            store_fp8(q_ptr + row * stride_q + cols,
+                      quant_rows(y, qscale, qmax, DIVIDE_VALUES), hmask, FP8_SOFT_RTNE)
         tl.store(scale_ptr + row, qscale)
 
 

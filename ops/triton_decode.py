@@ -292,6 +292,7 @@ def _decode_quant_kernel(
     scale_floor,
     HAS_SCALE_UB: tl.constexpr,
     DIVIDE: tl.constexpr,
+    DIVIDE_VALUES: tl.constexpr,
     FP8_SOFT_RTNE: tl.constexpr,
     SLICE: tl.constexpr,
     SPLITS_P2: tl.constexpr,
@@ -308,7 +309,8 @@ def _decode_quant_kernel(
     y = tl.load(out_ptr + row * stride_o + cols, mask=hmask, other=0.0).to(tl.float32)
     if LAUNCH_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    store_fp8(q_ptr + row * stride_q + cols, quant_rows(y, scale, qmax), hmask, FP8_SOFT_RTNE)
+    store_fp8(q_ptr + row * stride_q + cols, quant_rows(y, scale, qmax, DIVIDE_VALUES), hmask,
+              FP8_SOFT_RTNE)
     if split == 0:
         tl.store(scale_ptr + row, scale)
 
@@ -364,4 +366,5 @@ def launch_decode(a, out, mixed, skip_idx: int, pdl: bool, quant=None) -> None:
             quant.q.scale_ub if quant.q.scale_ub is not None else quant.scale, amax, H,
             cfg.n_splits, out.stride(0), quant.data.stride(0), *quant_scalars(quant),
             HAS_SCALE_UB=flags["HAS_SCALE_UB"], DIVIDE=flags["DIVIDE"],
+            DIVIDE_VALUES=flags["DIVIDE_VALUES"],
             FP8_SOFT_RTNE=flags["FP8_SOFT_RTNE"], **cfg.quant, num_warps=cfg.num_warps, **extra)

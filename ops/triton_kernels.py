@@ -121,6 +121,7 @@ def _attn_res_kernel(
     QUANT: tl.constexpr,
     HAS_SCALE_UB: tl.constexpr,
     DIVIDE: tl.constexpr,
+    DIVIDE_VALUES: tl.constexpr,
     FP8_SOFT_RTNE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     PREFETCH: tl.constexpr,
@@ -214,8 +215,8 @@ def _attn_res_kernel(
             amax = tl.max(tl.where(hmask, tl.abs(yr), 0.0), axis=0)
             scale = quant_scale(amax, scale_ub_ptr, amax_floor, scale_floor, qmax, inv_qmax,
                                 HAS_SCALE_UB, DIVIDE)
-            store_fp8(q_ptr + row * stride_q + cols, quant_rows(yr, scale, qmax), hmask,
-                      FP8_SOFT_RTNE)
+            store_fp8(q_ptr + row * stride_q + cols,
+                      quant_rows(yr, scale, qmax, DIVIDE_VALUES), hmask, FP8_SOFT_RTNE)
             tl.store(scale_ptr + row, scale)
         else:
             store_rounded(out_ptr + row * stride_o + cols, y, hmask, BF16_SOFT_RTNE)

@@ -38,10 +38,14 @@ def quant_scale(amax, scale_ub_ptr, amax_floor, scale_floor, qmax, inv_qmax,
 
 
 @jit
-def quant_rows(y, scale, qmax):
-    """``clamp(y * (1 / scale), -qmax, qmax)`` in fp32 (``y`` the rounded output)."""
-    inv = tl.div_rn(tl.full((), 1.0, tl.float32), scale)
-    return tl.minimum(tl.maximum(y * inv, -qmax), qmax)
+def quant_rows(y, scale, qmax, DIVIDE_VALUES: tl.constexpr):
+    """``clamp(y * (1 / scale), -qmax, qmax)``, or ``clamp(y / scale, ...)`` when
+    ``DIVIDE_VALUES``, in fp32 (``y`` the rounded output)."""
+    if DIVIDE_VALUES:
+        v = tl.div_rn(y, scale)
+    else:
+        v = y * tl.div_rn(tl.full((), 1.0, tl.float32), scale)
+    return tl.minimum(tl.maximum(v, -qmax), qmax)
 
 
 @jit
@@ -102,6 +106,7 @@ def quant_flags(quant: QuantOut | None) -> dict:
     return dict(QUANT=quant is not None,
                 HAS_SCALE_UB=quant is not None and quant.q.scale_ub is not None,
                 DIVIDE=quant is not None and bool(quant.q.divide),
+                DIVIDE_VALUES=quant is not None and bool(quant.q.divide_values),
                 FP8_SOFT_RTNE=0 if quant is None else soft_fp8_mode(quant.data))
 
 

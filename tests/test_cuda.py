@@ -214,6 +214,30 @@ def test_k3_tiny_cuda_graphs_replay_with_new_inputs(monkeypatch):
     assert len(backend.aux_pass.last_rewrites) == len(cfg.aux_layer_ids)
 
 
+@pytest.mark.vllm
+@pytest.mark.parametrize("ub", [None, 0.5])
+def test_vllm_c_per_token_quant_is_the_op_with_divide_values_cuda(ub):
+    """vLLM's CUDA op ``_C::dynamic_per_token_scaled_fp8_quant`` of ``attn_res``'s output
+    against ``attn_res_quant`` with its constants and ``divide_values=True`` (what
+    FuseQuantPass fuses it to): the same fp8 bytes and scales (K3's width, bf16)."""
+    from vllm import _custom_ops as vllm_ops
+
+    from kimi_passes.ops import quant_fp8_constants
+
+    if not hasattr(torch.ops._C, "dynamic_per_token_scaled_fp8_quant"):
+        pytest.skip("vLLM's _C extension has no dynamic_per_token_scaled_fp8_quant here")
+    args = make_args(64, 7168, 9, 8, 8, torch.bfloat16, delta=True, onorm=True)
+    out = OPS.attn_res(*clone_args(args))
+    scale_ub = None if ub is None else torch.tensor([ub], device=DEV)
+    want, want_scale = vllm_ops.scaled_fp8_quant(out, scale_ub=scale_ub,
+                                                 use_per_token_if_dynamic=True)
+    data, scale = OPS.attn_res_quant(*clone_args(args), want.dtype,
+                                     **quant_fp8_constants(want.dtype), scale_ub=scale_ub,
+                                     divide_values=True)
+    assert torch.equal(scale, want_scale.view(-1, 1))
+    assert torch.equal(data.view(torch.uint8), want.view(torch.uint8))
+
+
 @pytest.mark.parametrize("route", ["row", "decode"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=str)
@@ -231,7 +255,8 @@ def test_quant_is_the_quant_of_the_routes_output_cuda(case, dtype, route):
     plain = clone_args(args)
     out, mixed = attn_res_capture_triton(*plain, route=route)
     for qd in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
-        for extra in ({}, dict(quant_fp8_constants(qd), scale_ub=torch.ones(1, device=DEV))):
+        for extra in ({}, dict(quant_fp8_constants(qd), scale_ub=torch.ones(1, device=DEV)),
+                      dict(quant_fp8_constants(qd), divide_values=True)):
             got = clone_args(args)
             data, scale, got_mixed = attn_res_quant_capture_triton(*got, qd, route=route,
                                                                    **extra)

@@ -269,7 +269,7 @@ def test_wired_stack_one_dynamic_graph_every_T(monkeypatch):
 QUANT_CASES = [(dtype, *rest) for dtype in (torch.float32, torch.bfloat16) for rest in (
     (4, 3, 2, True, torch.float8_e4m3fn, "amd"),
     (4, 2, -1, False, torch.float8_e4m3fnuz, "quant_fp8_ub"),
-    (2, 0, 0, True, torch.float8_e4m3fn, "quant_fp8"))]
+    (2, 0, 0, True, torch.float8_e4m3fn, "cuda_op"))]
 
 
 def test_quant_ops_lower_to_the_cpu_paths_quant():
@@ -284,7 +284,7 @@ def test_quant_ops_lower_to_the_cpu_paths_quant():
     from kimi_passes.ops.fp8_quant import quantize_rows
 
     def form(qd, name):
-        return {"amd": {}, "quant_fp8": quant_fp8_constants(qd),
+        return {"amd": {}, "cuda_op": dict(quant_fp8_constants(qd), divide_values=True),
                 "quant_fp8_ub": dict(quant_fp8_constants(qd), scale_ub=torch.tensor([0.5]))}[name]
 
     argsets = [make_args(5, 32, nbt, nb, w, dtype, delta=True, onorm=on, seed=i, scale=3.0)
@@ -321,3 +321,22 @@ def test_quant_ops_lower_to_the_cpu_paths_quant():
             tol = OP_TOL[case[0]]
             torch.testing.assert_close(quant[2], eager[2], atol=tol, rtol=tol)
         assert torch.equal(ca[0], ea[0]) and torch.equal(ca[2], ea[2]), case
+
+
+def test_quant_lowering_rounds_to_bf16_as_the_cast():
+    """The lowering's bf16 rounding on fp32 bits (``_rounded_bf16``) is ``v.to(bf16).float()``
+    bit for bit: random bit patterns (every class: NaN payloads, subnormals, infs) and the
+    edges (a tie each way, the carry past bf16's largest into inf, a NaN whose payload the
+    addition would carry into inf)."""
+    from kimi_passes.lowering.decompositions import _rounded_bf16
+
+    g = torch.Generator().manual_seed(0)
+    edges = torch.tensor([0x7F800001, 0x7FFFFFFF, -1, 0x7F7FFFFF, 0x7F7F8000, 0x7F7F7FFF,
+                          0x3F808000, 0x3F818000, 0x00008000, 0x7F800000, -0x800000, 0],
+                         dtype=torch.int64).to(torch.int32)
+    bits = torch.cat([torch.randint(-2**31, 2**31 - 1, (1 << 16,), generator=g,
+                                    dtype=torch.int32), edges])
+    v = bits.view(torch.float32)
+    got, want = _rounded_bf16(v), v.to(torch.bfloat16).float()
+    same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
+    assert same.all(), v[~same]

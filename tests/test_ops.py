@@ -564,7 +564,8 @@ SCHEMAS = {
              "Tensor norm_weight, Tensor qk_weight, Tensor? output_norm_weight, "
              "SymInt num_blocks, SymInt block_write_idx, float eps, float output_norm_eps, "
              "ScalarType quant_dtype, float quant_max=0., float amax_floor=1e-10, "
-             "float scale_floor=0., bool divide=False, Tensor? scale_ub=None) -> "
+             "float scale_floor=0., bool divide=False, Tensor? scale_ub=None, "
+             "bool divide_values=False) -> "
              f"({returns})"
        for name, returns in (("attn_res_quant", "Tensor, Tensor"),
                              ("attn_res_quant_capture", "Tensor, Tensor, Tensor"))},

@@ -27,7 +27,7 @@ F32, BF16 = torch.float32, torch.bfloat16
 
 
 def spelled_out(out: torch.Tensor, quant_dtype, quant_max=0.0, amax_floor=1e-10,
-                scale_floor=0.0, divide=False, scale_ub=None):
+                scale_floor=0.0, divide=False, scale_ub=None, divide_values=False):
     """The quant of docs/design.md in numpy fp32, the last rounding torch's (RTNE)."""
     qmax = np.float32(quant_max if quant_max > 0 else {FN: 448.0, FNUZ: 224.0}[quant_dtype])
     y = out.float().numpy()
@@ -37,7 +37,8 @@ def spelled_out(out: torch.Tensor, quant_dtype, quant_max=0.0, amax_floor=1e-10,
     amax = np.maximum(amax, np.float32(amax_floor))
     scale = amax / qmax if divide else amax * np.float32(1.0 / float(qmax))
     scale = np.maximum(scale, np.float32(scale_floor)).astype(np.float32)
-    v = np.clip(y * (np.float32(1.0) / scale), -qmax, qmax).astype(np.float32)
+    v = y / scale if divide_values else y * (np.float32(1.0) / scale)
+    v = np.clip(v, -qmax, qmax).astype(np.float32)
     return torch.from_numpy(v).to(quant_dtype), torch.from_numpy(scale)
 
 
@@ -57,13 +58,15 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
-@pytest.mark.parametrize("quant", ["amd", "quant_fp8", "quant_fp8_ub", "qmax"])
+@pytest.mark.parametrize("quant", ["amd", "quant_fp8", "quant_fp8_ub", "qmax", "cuda_op"])
 def test_cpu_path_is_the_spelled_out_quant_of_attn_res(case, quant):
     T, H, NB, nb, write, dtype, delta, onorm, qd = case
     args = make_args(T, H, NB, nb, write, dtype, delta=delta, onorm=onorm, seed=T + H)
     extra = {"amd": {}, "qmax": dict(quant_max=100.0),
              "quant_fp8": quant_fp8_constants(qd),
-             "quant_fp8_ub": dict(quant_fp8_constants(qd), scale_ub=torch.tensor([0.5]))}[quant]
+             "quant_fp8_ub": dict(quant_fp8_constants(qd), scale_ub=torch.tensor([0.5])),
+             "cuda_op": dict(quant_fp8_constants(qd), scale_ub=torch.tensor([0.5]),
+                             divide_values=True)}[quant]
     want_args = clone_args(args)
     want_out, want_mixed = OPS.attn_res_capture(*want_args)
     got_args = clone_args(args)

@@ -48,8 +48,10 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def forms(qd):
-    """The two quants the op reproduces: vLLM's AMD kernel's, QuantFP8's with scale_ub."""
-    return [{}, dict(ops.quant_fp8_constants(qd), scale_ub=torch.tensor([1.5]))]
+    """The quants the op reproduces: vLLM's AMD kernel's, QuantFP8's with scale_ub, and
+    (e4m3fn only, to keep the interpreted runs few) vLLM's CUDA op's (values divided)."""
+    cuda_op = [dict(ops.quant_fp8_constants(qd), divide_values=True)] if qd == FN else []
+    return [{}, dict(ops.quant_fp8_constants(qd), scale_ub=torch.tensor([1.5])), *cuda_op]
 
 
 def assert_rows_agree(data, scale, want_data, want_scale, agree: torch.Tensor, what: str):

@@ -7,16 +7,15 @@ graph holds one ``attn_res_quant`` and no quant, the unfused one none, and the f
 and the scales are equal. Where the output has another reader nothing is fused. vLLM's
 CUDA quant op does not load on CPU: a stand-in of the same schema and the CUDA kernel's
 formula, registered under a test namespace, is recognised by name (the pass's lookup name
-patched to it) and left unfused, since it divides by the scale where the op multiplies by
-its reciprocal; the bytes that differ are shown on one case.
+patched to it) and fused with ``divide_values=True`` (it divides by the scale where the
+other forms multiply by its reciprocal; without the flag some bytes differ, shown on one
+case).
 
 Compiles use Inductor's ``fallback_by_default`` (every op an ATen call) except one, which
 runs Inductor's generated C++ for the unfused quant.
 """
 
 from __future__ import annotations
-
-import logging
 
 import pytest
 import torch
@@ -298,30 +297,39 @@ def _standin():
     return torch.ops.kimi_test.dynamic_per_token_scaled_fp8_quant.default
 
 
-def test_the_cuda_quant_op_is_recognised_and_left_unfused(monkeypatch, caplog):
+@pytest.mark.parametrize(("v2", "ub"), [(True, False), (False, True)])
+def test_the_cuda_quant_op_is_fused_dividing_the_values(monkeypatch, v2, ub):
+    """The CUDA op (v1 and v2 functionalization, with and without scale_ub) becomes
+    attn_res_quant with its scale's constants and divide_values=True; the fused bytes and
+    scales equal the unfused ones."""
     op = _standin()
+    scale_ub = torch.tensor([1.5]) if ub else None
     monkeypatch.setattr(recognise, "C_PER_TOKEN_QUANT", op._schema.name)
 
     def fn(*a):
         y = attn_res(*a)
         out = torch.empty_like(y, dtype=torch.float8_e4m3fn)
         scale = torch.empty(y.shape[0], 1)
-        op(out, y, scale, None)
+        op(out, y, scale, scale_ub)
         return out, scale
 
-    with caplog.at_level(logging.INFO, logger="kimi_passes"):
-        runs = compile_both(fn, site_inputs())
-    rec = runs[True][1]
-    assert_same_bytes(runs[True][0], runs[False][0])
-    [f] = fusions(rec)
-    assert f.form == "vLLM _C per-token op" and f.skipped == recognise.C_OP_DIVIDES
-    assert kimi_op_counts(rec.last.after)["attn_res_quant"] == 0
-    assert "left" in caplog.text and "divides each value by the scale" in caplog.text
+    runs = compile_both(fn, site_inputs(T=37, H=1024, seed=7), v2=v2)
+    (fused, rec), (unfused, urec) = runs[True], runs[False]
+    assert_same_bytes(fused, unfused)
+    assert [(f.form, f.skipped) for f in fusions(rec)] == [("vLLM _C per-token op", None)]
+    counts = kimi_op_counts(rec.last.after)
+    assert counts["attn_res_quant"] == 1 and counts["attn_res"] == 0, counts
+    assert op not in {n.args[0] for n in rec.last.after.nodes if n.args}
+    assert op in {n.args[0] for n in urec.last.after.nodes if n.args}
+    text = rec.last.text("kimi")
+    assert "divide_values=True" in text and "divide=True" in text
+    assert ("scale_ub=None" in text) != ub
 
 
-def test_the_cuda_op_formula_differs_from_the_op_on_some_bytes():
-    """Why the CUDA op stays unfused: attn_res_quant with the CUDA op's constants (QuantFP8's)
-    multiplies by 1 / scale and gives other fp8 bytes than x / scale on some elements."""
+def test_the_cuda_op_formula_needs_divide_values():
+    """Why the CUDA op is fused with divide_values=True: attn_res_quant with its scale's
+    constants (QuantFP8's) multiplies by 1 / scale and gives other fp8 bytes than x / scale
+    on some elements; with divide_values=True every byte and scale is the op's."""
     op = _standin()
     prefix, delta, bank, nw, qk, onw = site_inputs(T=64, H=1024, seed=7)
     y = attn_res(prefix.clone(), delta, bank.clone(), nw, qk, onw)
@@ -333,6 +341,11 @@ def test_the_cuda_op_formula_differs_from_the_op_on_some_bytes():
     assert torch.equal(s, scale)
     differ = (q.view(torch.uint8) != out.view(torch.uint8)).sum().item()
     assert 0 < differ < out.numel() // 1000, differ
+    q, s = torch.ops.kimi.attn_res_quant(prefix.clone(), delta, bank.clone(), nw, qk, onw, 2, -1,
+                                         1e-6, 1e-6, torch.float8_e4m3fn, 448.0, 0.0,
+                                         1.0 / (448 * 512), True, divide_values=True)
+    assert torch.equal(s, scale)
+    assert torch.equal(q.view(torch.uint8), out.view(torch.uint8))
 
 
 # ------------------------------------------------------------------ CUDA (tools/gpu_check.sh)

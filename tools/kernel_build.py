@@ -424,7 +424,7 @@ def _ast_source(fn, cfg: dict, variant: str, dtype: str, H: int, fp8: str = "fp8
         constexprs["BF16_SOFT_RTNE"] = False
     if "LAUNCH_PDL" in fn.arg_names:  # opt-in (triton_kernels.pdl_launch): off unless asked
         constexprs.setdefault("LAUNCH_PDL", False)
-    for name in ("QUANT", "HAS_SCALE_UB", "DIVIDE"):  # no quant unless asked
+    for name in ("QUANT", "HAS_SCALE_UB", "DIVIDE", "DIVIDE_VALUES"):  # no quant unless asked
         if name in fn.arg_names:
             constexprs.setdefault(name, False)
     if "FP8_SOFT_RTNE" in fn.arg_names:  # 0: the hardware conversion; 2 stores e4m3fnuz by

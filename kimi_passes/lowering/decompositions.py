@@ -114,6 +114,20 @@ def attn_res(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight, 
     ``capture``: the outputs ``auto_functionalized`` gives, in that order.
     """
     dtype = prefix.dtype
+    out, mixed, x, new_blocks = _attn_res_fp32(
+        prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
+        num_blocks=num_blocks, block_write_idx=block_write_idx, eps=eps,
+        output_norm_eps=output_norm_eps)
+    if capture:
+        return out.to(dtype), mixed.to(dtype), x, new_blocks
+    return out.to(dtype), x, new_blocks
+
+
+def _attn_res_fp32(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight, *,
+                   num_blocks: int, block_write_idx: int, eps: float, output_norm_eps: float):
+    """``attn_res``'s ``(out, mixed, prefix', blocks')`` with ``out`` and ``mixed`` in fp32
+    (before the rounding to the sources' dtype)."""
+    dtype = prefix.dtype
     x = prefix if delta is None else _realized((prefix.float() + delta.float()).to(dtype))
     # The bank is read after the write, from the written bank only: the old one is dead
     # after the select_scatter, which Inductor's reinplacing then makes a slot write.
@@ -123,22 +137,41 @@ def attn_res(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight, 
     mixed = mixture(bank, [x], folded_query(norm_weight, qk_weight), eps)
     out = mixed if output_norm_weight is None else output_norm(
         mixed, output_norm_weight, output_norm_eps)
-    if capture:
-        return out.to(dtype), mixed.to(dtype), x, new_blocks
-    return out.to(dtype), x, new_blocks
+    return out, mixed, x, new_blocks
 
 
-def _rounded(out: torch.Tensor) -> torch.Tensor:
-    """``out`` (16-bit) as a value Inductor's C++ code reads back rounded.
+def _rounded_bf16(v: torch.Tensor) -> torch.Tensor:
+    """fp32 ``v`` rounded to bf16, nearest even, as fp32: ``v.to(bf16).float()`` bit for bit.
 
     Inductor's C++ backend skips a ``to(bf16).to(float)`` round trip inside a kernel (it
     reuses the fp32 value a bf16 store was made from, unless ``emulate_precision_casts``),
-    so the quant would read the unrounded output. Through a bitcast to int16 and back the
-    value is the stored 16 bits, whatever the kernel caches.
+    so the quant would read the unrounded output. The rounding is written on the fp32 bits
+    instead, in int32 arithmetic, which Inductor vectorises (a bitcast to int16 and back
+    would be kept too, but generates the row's loop scalar): add ``0x7FFF`` plus the lowest
+    kept bit, clear the low 16 bits. A finite value past bf16's largest carries into the
+    exponent and becomes inf, as the cast's; inf stays inf; a NaN is passed through (the
+    addition could carry a NaN's payload into inf).
     """
-    if out.element_size() != 2:
-        return out
-    return out.view(torch.int16).view(out.dtype)
+    bits = v.view(torch.int32)
+    lsb = torch.bitwise_and(torch.bitwise_right_shift(bits, 16), 1)
+    rounded = torch.bitwise_and(bits + (0x7FFF + lsb), -0x10000).view(torch.float32)
+    return torch.where(v != v, v, rounded)  # v != v: NaN (isnan is not vectorised)
+
+
+def _rounded(out: torch.Tensor, out_fp32: torch.Tensor) -> torch.Tensor:
+    """The op's output as the quant reads it: the stored 16-bit value (``out``), in fp32.
+
+    bf16 is rounded from ``out_fp32`` on its bits (``_rounded_bf16``, vectorised). fp16 is
+    read through a bitcast to int16 and back, which no kernel can skip (its loop is
+    generated scalar; K3 runs in bf16). fp32 is ``out`` itself.
+    """
+    if out.dtype == torch.bfloat16:
+        # Realized: the amax and the quant read the rounded value from one buffer (inlined,
+        # the quant's loop would round the fp32 output again).
+        return _realized(_rounded_bf16(out_fp32))
+    if out.element_size() == 2:
+        return out.view(torch.int16).view(out.dtype)
+    return out
 
 
 def attn_res_quant(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight, scale_ub,
@@ -152,12 +185,12 @@ def attn_res_quant(prefix, delta, blocks, norm_weight, qk_weight, output_norm_we
     """
     q = AttnResQuantArgs(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
                          scale_ub=scale_ub, **const)
-    out, mixed, x, new_blocks = attn_res(
-        prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight, capture=True,
+    out, mixed, x, new_blocks = _attn_res_fp32(
+        prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
         **{k: const[k] for k in ("num_blocks", "block_write_idx", "eps", "output_norm_eps")})
-    data, scale = quantize_rows(_rounded(out), q)
+    data, scale = quantize_rows(_rounded(out.to(prefix.dtype), out), q)
     if capture:
-        return data, scale, mixed, x, new_blocks
+        return data, scale, mixed.to(prefix.dtype), x, new_blocks
     return data, scale, x, new_blocks
 
 

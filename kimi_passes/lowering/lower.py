@@ -213,7 +213,8 @@ def _replace(graph: Graph, node: Node, outputs: dict) -> None:
 
 #: The quant ops' non-tensor arguments, passed to their statement as constants.
 _QUANT_CONSTS = ("num_blocks", "block_write_idx", "eps", "output_norm_eps", "quant_dtype",
-                 "quant_max", "amax_floor", "scale_floor", "divide")
+                 "quant_max", "amax_floor", "scale_floor", "divide",
+                 "divide_values")
 
 
 def _lower_attn_res(graph: Graph, call: AttnResCall) -> None:

@@ -23,7 +23,7 @@ After::
     af = auto_functionalized_v2(kimi.attn_res_quant, prefix=.., delta=.., ..,
                                 quant_dtype=float8_e4m3fn, quant_max=448.0, amax_floor=0.0,
                                 scale_floor=1 / (448 * 512), divide=True, scale_ub=None,
-                                _all_bases=[p, b])
+                                divide_values=False, _all_bases=[p, b])
     q, s, prefix', bank' = af[0], af[1], af[2], af[3]
     ... = scaled_mm(q, w, s, ..)
 
@@ -31,9 +31,10 @@ An ``attn_res_capture`` call (a tap fused by ``AuxStreamPass``) becomes
 ``attn_res_quant_capture``: ``(q, s, mixture, prefix', bank')``. ``auto_functionalized``
 (v1) calls are rewritten alike: both return the op's outputs, then the mutated bases.
 
-A quant the op cannot reproduce (vLLM's CUDA op divides by the scale) or whose ``scale_ub``
-is computed after the call is left unfused, with an INFO line saying why. Runs after
-``AuxStreamPass`` (which may turn the call into ``attn_res_capture``) and before
+vLLM's CUDA op ``_C::dynamic_per_token_scaled_fp8_quant`` is fused alike, with
+``divide_values=True`` (its kernel divides each value by the scale). A quant whose
+``scale_ub`` is computed after the call is left unfused, with an INFO line saying why.
+Runs after ``AuxStreamPass`` (which may turn the call into ``attn_res_capture``) and before
 ``LowerKimiOps``, in ``kimi_passes.pass_manager`` (option ``fuse_quant``).
 """
 
@@ -104,8 +105,6 @@ def _producer(source: Node) -> AttnResCall | None:
 
 
 def _why_not(site: QuantSite, call: AttnResCall) -> str | None:
-    if site.unfusable is not None:
-        return site.unfusable
     if not site.private():
         return ("the AttnRes output (or a value the quant computes from it) has other readers; "
                 "the fused op returns only the fp8 values and the scales")

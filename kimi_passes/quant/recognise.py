@@ -18,11 +18,11 @@ The AMD kernel's formula in plain torch (vLLM's ROCm K3 AttnRes quant)::
 
 vLLM's CUDA op, functionalized: ``auto_functionalized(_C.dynamic_per_token_scaled_fp8_quant,
 result=empty, input=x, scale=empty, scale_ub=...)``, whose new ``result`` and ``scale``
-are the values and the scales. Its kernel divides each value by the scale (``x / scale``)
-where the forms above and ``attn_res_quant`` multiply by the scale's reciprocal; the two
-round differently (about 3 fp8 bytes in 10^4 differ on bf16 rows). The site is
-recognised and reported with ``unfusable`` set: ``attn_res_quant`` cannot reproduce it
-bit for bit.
+are the values and the scales. Its kernel computes ``QuantFP8``'s scale
+(``max(min(amax, scale_ub) / qmax, 1 / (qmax * 512))``) but divides each value by the
+scale (``x / scale``) where the forms above multiply by its reciprocal (the two round
+differently: about 3 fp8 bytes in 10^4 differ on bf16 rows), so its parameters carry
+``divide_values=True`` (docs/design.md section 10).
 
 Order matters where rounding does: the amax bound (``scale_ub``) before the amax floor,
 the scale floor after the scale, the clamp bounds ``-qmax``/``qmax`` equal to the scale's
@@ -57,10 +57,6 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 #: vLLM's CUDA per-token quant op (``vllm._custom_ops.scaled_fp8_quant`` per token), by name:
 #: its extension loads on CUDA machines only.
 C_PER_TOKEN_QUANT = "_C::dynamic_per_token_scaled_fp8_quant"
-#: Why the CUDA op's sites stay unfused (``QuantSite.unfusable``).
-C_OP_DIVIDES = ("vLLM's _C per-token quant divides each value by the scale (x / scale); "
-                "attn_res_quant multiplies by its reciprocal, which rounds differently "
-                "(a few fp8 bytes in 10^4 differ), so fusing would change the graph's bytes")
 
 
 @dataclass(frozen=True)
@@ -73,6 +69,7 @@ class QuantParams:
     scale_floor: float
     divide: bool  # scale = amax / qmax (True) or amax * (1 / qmax) (False)
     scale_ub: Node | None
+    divide_values: bool = False  # data = x / scale (vLLM's _C op) or x * (1 / scale)
 
     def op_kwargs(self) -> dict:
         """The op's quant arguments by name (its record's fields after ``attn_res``'s)."""
@@ -102,8 +99,6 @@ class QuantSite:
     params: QuantParams
     #: Every node the quant adds to the graph (``out`` and ``scale`` among them).
     nodes: set[Node] = field(default_factory=set)
-    #: Why ``attn_res_quant`` cannot stand for it (None: it can).
-    unfusable: str | None = None
 
     def private(self) -> bool:
         """Is the quant the only reader of ``source`` and of its own intermediate values?"""
@@ -306,10 +301,12 @@ def _match_c_op(node: Node) -> QuantSite | None:
     if qdtype not in FP8_DTYPES:
         return None
     qmax = 448.0 if qdtype == torch.float8_e4m3fn else 224.0
+    # The kernel's scale is QuantFP8's (an fp32 division by qmax, then the floor
+    # 1 / (qmax * 512)); its values are x / scale (docs/design.md section 10).
     params = QuantParams(qdtype, qmax, 0.0, 1.0 / (qmax * 512.0), True,
-                         node.kwargs.get("scale_ub"))  # type: ignore[arg-type]
-    return QuantSite("vLLM _C per-token op", source, result, scale, params, {node, result, scale},
-                     unfusable=C_OP_DIVIDES)
+                         node.kwargs.get("scale_ub"),  # type: ignore[arg-type]
+                         divide_values=True)
+    return QuantSite("vLLM _C per-token op", source, result, scale, params, {node, result, scale})
 
 
 def _c_outputs(node: Node) -> tuple[Node | None, Node | None, object]:
