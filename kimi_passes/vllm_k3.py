@@ -11,11 +11,13 @@ see only kimi ops, so the K3 forward must call the op for the aux captures to be
 
 ``register`` (the ``vllm.general_plugins`` entry point ``kimi_passes``, which vLLM calls
 in every process it starts) rebinds those module-level names to ``vllm_attn_res`` /
-``vllm_attn_res_amd``, thin calls of ``torch.ops.kimi.attn_res``, **only when kimi_passes
-is enabled for vLLM: ``$KIMI_PASSES_AUX_STREAM`` set** (``attn_res`` or ``prefix``, the
-stream the ``kimi`` backend serves; a bad value raises, vLLM then stops). Unset, it
-imports nothing and changes nothing. vLLM's files are never edited: the names are
-rebound in the imported modules, which look ``attn_res`` up at call time.
+``vllm_attn_res_amd``, thin calls of ``torch.ops.kimi.attn_res`` (with the ROCm path's
+``quant_dtype=``, of ``torch.ops.kimi.attn_res_quant``, returning ``(data, scale)``),
+**only when kimi_passes is enabled for vLLM: ``$KIMI_PASSES_AUX_STREAM`` set**
+(``attn_res`` or ``prefix``, the stream the ``kimi`` backend serves; a bad value raises,
+vLLM then stops). Unset, it imports nothing and changes nothing. vLLM's files are never
+edited: the names are rebound in the imported modules, which look ``attn_res`` up at
+call time.
 
 The entry point exists once the package's metadata does: after ``pip install -e .`` (or a
 wheel). Without the metadata, ``register()`` called in the process (or
@@ -23,15 +25,21 @@ wheel). Without the metadata, ``register()`` called in the process (or
 
 Routed, the values are ``kimi::attn_res``'s: the same arithmetic as vLLM's kernel, not
 bit for bit (fp32: within 5e-6 of vLLM's Triton kernel on its K3 forward, measured on
-CPU with the kernel interpreted; tests/test_vllm_k3.py).
+CPU with the kernel interpreted; tests/test_vllm_k3.py). The FP8 quant is vLLM's AMD
+kernel's, bound included: ``QUANT_MAX`` there is the platform's (``get_fp8_min_max()[1]``:
+224 on fnuz platforms, else 448), not the dtype's, so the route reads vLLM's
+``get_fp8_min_max`` at each call, where vLLM's function reads it (one source of truth, no
+copy of the platform rule; under Dynamo a constant of the trace, as in vLLM's function),
+and passes it as ``quant_max``. Given the same unquantized output, the bytes and scales
+are vLLM's, bit for bit (tests/test_vllm_k3.py, vLLM's kernel interpreted).
 
 Left unrouted (the variable unset, or ``$VLLM_PLUGINS`` without ``kimi_passes``), vLLM's
 own ``attn_res`` in a graph compiled under the attn_res stream is an ``AuxCaptureError``
 (``kimi_passes/taps/unrouted.py``). ``backend="kimi"`` cannot switch the route on itself:
 vLLM loads its general plugins before its config exists.
 
-Not routed: ``quant_dtype`` (the ROCm path's FP8 output) raises, naming this route;
-sequence parallelism's aux states (``cat``, all-gathered and split) are out of scope.
+Not routed: sequence parallelism's aux states (``cat``, all-gathered and split) are out
+of scope.
 """
 
 from __future__ import annotations
@@ -64,15 +72,38 @@ def vllm_attn_res(prefix, delta, blocks, norm_weight, qk_weight, output_norm_wei
 def vllm_attn_res_amd(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
                       num_blocks, block_write_idx, eps, output_norm_eps, *,
                       quant_dtype=None):
-    """vLLM's ROCm ``attn_res`` as ``kimi::attn_res``; ``quant_dtype`` is refused."""
-    if quant_dtype is not None:
-        raise NotImplementedError(
+    """vLLM's ROCm ``attn_res`` (same signature, effects and returns) as kimi ops.
+
+    ``quant_dtype=None``: ``kimi::attn_res``'s output. Otherwise ``(data, scale)`` of
+    ``kimi::attn_res_quant`` with vLLM's kernel's quant: its defaults, and the bound vLLM's
+    kernel takes, ``get_fp8_min_max()[1]`` of the platform, read at each call as vLLM's
+    function reads it (224 on fnuz platforms, else 448), not the dtype's.
+    """
+    if quant_dtype is None:
+        return vllm_attn_res(prefix, delta, blocks, norm_weight, qk_weight,
+                             output_norm_weight, num_blocks, block_write_idx, eps,
+                             output_norm_eps)
+    return torch.ops.kimi.attn_res_quant(prefix, delta, blocks, norm_weight, qk_weight,
+                                         output_norm_weight, num_blocks, block_write_idx,
+                                         eps, output_norm_eps, quant_dtype,
+                                         quant_max=_platform_quant_max(quant_dtype))
+
+
+def _platform_quant_max(quant_dtype: torch.dtype) -> float:
+    """vLLM's FP8 bound on this platform (``get_fp8_min_max()[1]``), the ``QUANT_MAX`` its
+    ROCm K3 kernel clamps to; an error where the dtype cannot hold it (an e4m3fnuz quant
+    on a platform whose FP8 is e4m3fn, bound 448: e4m3fnuz's largest is 240)."""
+    from vllm.model_executor.layers.quantization.utils.quant_utils import get_fp8_min_max
+
+    qmax = float(get_fp8_min_max()[1])
+    if quant_dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz) \
+            and qmax > torch.finfo(quant_dtype).max:
+        raise ValueError(
             f"kimi_passes: vLLM's ROCm K3 attn_res was called with quant_dtype={quant_dtype} "
-            "(the FP8 output fused for the next GEMM), which the kimi_passes vLLM route "
-            f"(${ENV_VAR} set: kimi_passes.vllm_k3) does not carry. Serve an unquantized "
-            f"attention/MLP input, or unset ${ENV_VAR} to run vLLM's own kernel")
-    return vllm_attn_res(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
-                         num_blocks, block_write_idx, eps, output_norm_eps)
+            f"on a platform whose FP8 bound is {qmax} (vLLM's get_fp8_min_max), beyond the "
+            f"largest {quant_dtype}: pass the platform's FP8 dtype "
+            f"(current_platform.fp8_dtype()), as vLLM's K3 does")
+    return qmax
 
 
 #: The functions the route installs, by module.

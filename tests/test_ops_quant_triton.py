@@ -21,13 +21,12 @@ H = 7168 among the widths) and prints the counts.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from fp8_helpers import assert_rows_agree, bits, gpu_rounding, vllm_amd
 from op_helpers import clone_args, make_args
 
 from kimi_passes import ops
@@ -43,23 +42,11 @@ F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 LONG = os.environ.get("KIMI_PASSES_LONG_QUANT") == "1"
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8)
-
-
 def forms(qd):
     """The quants the op reproduces: vLLM's AMD kernel's, QuantFP8's with scale_ub, and
     (e4m3fn only, to keep the interpreted runs few) vLLM's CUDA op's (values divided)."""
     cuda_op = [dict(ops.quant_fp8_constants(qd), divide_values=True)] if qd == FN else []
     return [{}, dict(ops.quant_fp8_constants(qd), scale_ub=torch.tensor([1.5])), *cuda_op]
-
-
-def assert_rows_agree(data, scale, want_data, want_scale, agree: torch.Tensor, what: str):
-    """Equal bytes and scales on the rows ``agree`` selects."""
-    bad = (bits(data) != bits(want_data)).any(1) | (scale != want_scale).any(1)
-    assert not (bad & agree).any(), (
-        f"{what}: rows {torch.nonzero(bad & agree).flatten().tolist()} differ although "
-        f"their unquantized outputs are equal")
 
 
 ROUTE_CASES = [
@@ -128,39 +115,15 @@ def test_zero_rows_take_the_floor_on_every_route():
 
 # --------------------------------------------------------------------------- vLLM's AMD kernel
 
-_TO_TORCH = {"bf16": BF16, "fp16": F16, "fp8e4nv": FN, "fp8e4b8": FNUZ}
+@pytest.fixture(name="gpu_rounding")
+def gpu_rounding_fixture():
+    with gpu_rounding():
+        yield
 
 
-@pytest.fixture
-def gpu_rounding(monkeypatch):
-    """The interpreter's fp32 -> bf16 / fp16 / fp8 conversions rounded to nearest even (a
-    GPU's conversion; torch's), for the kernels that convert with ``.to``."""
-    from triton.runtime import interpreter
-
-    original = interpreter._convert_float
-
-    def convert(values, src, dst, rounding_mode):
-        target = _TO_TORCH.get(getattr(dst, "name", ""))
-        if getattr(src, "name", "") != "fp32" or target is None:
-            return original(values, src, dst, rounding_mode)
-        x = torch.from_numpy(np.ascontiguousarray(values).view(np.float32).copy())
-        y = x.to(target)
-        raw = y.view(torch.uint8) if y.element_size() == 1 else y.view(torch.int16)
-        return raw.numpy().view(np.uint8 if y.element_size() == 1 else np.uint16).reshape(
-            np.shape(values))
-
-    monkeypatch.setattr(interpreter, "_convert_float", convert)
-
-
-@pytest.fixture(scope="module")
-def vllm_amd():
-    """vLLM's AMD K3 module (kernel and launcher), loaded by tools/kernel_build.py."""
-    tool = Path(__file__).resolve().parent.parent / "tools" / "kernel_build.py"
-    spec = importlib.util.spec_from_file_location("kernel_build_for_quant", tool)
-    assert spec is not None and spec.loader is not None
-    kb = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(kb)
-    return kb.vllm_amd_module()
+@pytest.fixture(name="vllm_amd")
+def vllm_amd_fixture():
+    return vllm_amd()
 
 
 def vllm_case(vllm_amd, case, stats=None):

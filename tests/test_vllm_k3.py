@@ -23,6 +23,7 @@ runs every vendor x dtype x flag (docs/testing.md).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
@@ -38,11 +39,13 @@ if importlib.util.find_spec("vllm") is None:  # test_vllm_required.py fails on C
 
 import torch  # noqa: E402
 import vllm_k3_harness as h  # noqa: E402
-from op_helpers import OP_TOL  # noqa: E402
+from fp8_helpers import assert_rows_agree, gpu_rounding, vllm_amd  # noqa: E402
+from op_helpers import OP_TOL, clone_args, make_args  # noqa: E402
 
 import kimi_passes  # noqa: E402
 import kimi_passes.vllm_k3 as route  # noqa: E402
 from kimi_passes.config.stream import ENV_VAR  # noqa: E402
+from kimi_passes.ops import AttnResArgumentError  # noqa: E402
 from kimi_passes.passes.manager import PassObserver  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("aten_fallback", "caches_off")]
@@ -168,11 +171,6 @@ def test_vllm_k3_plugin_routes_attn_res_only_when_enabled():
         assert nvidia.attn_res is route.vllm_attn_res
         assert sys.modules["vllm.models.kimi_k3.nvidia.ops"].attn_res is route.vllm_attn_res
         assert amd.attn_res is route.vllm_attn_res_amd
-        x = torch.zeros(2, SPEC.hidden)
-        blocks, w = torch.zeros(2, 1, SPEC.hidden), torch.ones(SPEC.hidden)
-        with pytest.raises(NotImplementedError, match=f"quant_dtype.*{ENV_VAR}"):
-            amd.attn_res(x, None, blocks, w, w, None, 0, -1, 1e-6, 0.0,
-                         quant_dtype=torch.float8_e4m3fn)
     finally:
         route.unroute_attn_res()
     assert (nvidia.attn_res, amd.attn_res) == own
@@ -194,6 +192,56 @@ def test_vllm_k3_route_is_vllms_own_kernel(routed):
     tol = OP_TOL[dtype]
     torch.testing.assert_close(routed_out[0], own_out[0], atol=tol, rtol=tol)
     assert_aux(h.aux_of(routed_out), h.aux_of(own_out), dtype, "routed vs vLLM's kernel")
+
+
+@contextlib.contextmanager
+def fp8_platform(fnuz: bool):
+    """vLLM's platform answering ``is_fp8_fnuz()`` with ``fnuz`` (a ROCm MI300's FP8 is
+    e4m3fnuz, bound 224; elsewhere e4m3fn's 448); yields ``get_fp8_min_max()[1]``."""
+    from vllm.model_executor.layers.quantization.utils import quant_utils
+
+    with mock.patch.object(quant_utils.current_platform, "is_fp8_fnuz", lambda: fnuz):
+        yield quant_utils.get_fp8_min_max()[1]
+
+
+def test_vllm_k3_amd_route_quant_is_vllms_own_kernel(routed):
+    """The ROCm route's ``quant_dtype`` (``kimi::attn_res_quant``, the platform's bound)
+    against vLLM's own AMD ``attn_res(..., quant_dtype=)`` (interpreted, rounding as a GPU
+    does: tests/fp8_helpers.py) on the platform it would run on: the same in-place effects,
+    and bytes and scales bit for bit on every row whose unquantized outputs agree. The
+    e4m3fn quant on an fnuz platform takes the platform's 224, as vLLM's kernel does."""
+    amd = sys.modules["vllm.models.kimi_k3.amd.linear"]
+    assert amd.attn_res is route.vllm_attn_res_amd
+    kernel = vllm_amd()
+    fn, fnuz = torch.float8_e4m3fn, torch.float8_e4m3fnuz
+    for qd, fnuz_platform, qmax in ((fn, False, 448.0), (fnuz, True, 224.0),
+                                    (fn, True, 224.0)):
+        args = make_args(6, 64, 4, 3, 3, torch.bfloat16, delta=True, onorm=True, seed=5,
+                         scale=2.0)
+        what = f"{qd}, fnuz platform {fnuz_platform}"
+        with fp8_platform(fnuz_platform) as platform_max, gpu_rounding():
+            assert platform_max == qmax, what
+            kernel.QUANT_MAX = platform_max
+            v_args, r_args = clone_args(args), clone_args(args)
+            v_data, v_scale = kernel.attn_res(*v_args, quant_dtype=qd)
+            data, scale = amd.attn_res(*r_args, quant_dtype=qd)
+            agree = (amd.attn_res(*clone_args(args))
+                     == kernel.attn_res(*clone_args(args))).all(1)
+        assert data.dtype == v_data.dtype == qd and scale.shape == v_scale.shape == (6, 1)
+        for i in (0, 2):  # prefix += delta, the block write
+            assert torch.equal(r_args[i], v_args[i]), f"{what}: argument {i}"
+        assert int(agree.sum()) >= 3, f"{what}: only {int(agree.sum())} rows agree unquantized"
+        assert_rows_agree(data, scale, v_data, v_scale, agree, what)
+        peaks = data.float().abs().amax(1)  # each row's largest element lands on the bound
+        assert torch.equal(peaks, torch.full_like(peaks, qmax)), f"{what}: {peaks.tolist()}"
+    x = torch.zeros(2, SPEC.hidden)
+    blocks, w = torch.zeros(2, 1, SPEC.hidden), torch.ones(SPEC.hidden)
+    call = (x, None, blocks, w, w, None, 0, -1, 1e-6, 0.0)
+    with pytest.raises(AttnResArgumentError, match="quant_dtype torch.float8_e5m2 is not "
+                                                   "supported"):
+        amd.attn_res(*call, quant_dtype=torch.float8_e5m2)
+    with fp8_platform(False), pytest.raises(ValueError, match="FP8 bound is 448"):
+        amd.attn_res(*call, quant_dtype=fnuz)
 
 
 @pytest.mark.heavy
