@@ -86,21 +86,12 @@ _ELEM_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 def variants() -> list[tuple[str, dict]]:
     """Every flag set the op family launches: (name, flags)."""
     out: list[tuple[str, dict]] = []
-    for op, write_mix in (("attn_res", False), ("capture", True)):
-        for delta in (True, False):
-            for write in (True, False):
-                for norm in (True, False):
-                    name = (f"{op}{'+delta' if delta else ''}{'+write' if write else ''}"
-                            f"{'+norm' if norm else ''}")
-                    out.append((name, dict(HAS_DELTA=delta, DO_WRITE=write,
-                                           HAS_OUT_NORM=norm, WRITE_OUT=True,
-                                           WRITE_MIX=write_mix)))
-    out.append(("mix", dict(HAS_DELTA=False, DO_WRITE=False, HAS_OUT_NORM=False,
-                            WRITE_OUT=False, WRITE_MIX=True)))
-    # attn_res_quant / attn_res_quant_capture: the FP8 epilogue (ops/triton_quant.py) with
+    # attn_res_quant / attn_res_quant_capture add the FP8 epilogue (ops/triton_quant.py) with
     # scale_ub and the division (QuantFP8's form: one load and one division more than the
     # AMD kernel's form, QUANT_FORMS[0]).
-    for op, write_mix in (("quant", False), ("quant-capture", True)):
+    quant = dict(QUANT=True, HAS_SCALE_UB=True, DIVIDE=True)
+    for op, write_mix, extra in (("attn_res", False, {}), ("capture", True, {}),
+                                 ("quant", False, quant), ("quant-capture", True, quant)):
         for delta in (True, False):
             for write in (True, False):
                 for norm in (True, False):
@@ -108,8 +99,9 @@ def variants() -> list[tuple[str, dict]]:
                             f"{'+norm' if norm else ''}")
                     out.append((name, dict(HAS_DELTA=delta, DO_WRITE=write,
                                            HAS_OUT_NORM=norm, WRITE_OUT=True,
-                                           WRITE_MIX=write_mix, QUANT=True, HAS_SCALE_UB=True,
-                                           DIVIDE=True)))
+                                           WRITE_MIX=write_mix, **extra)))
+    out.append(("mix", dict(HAS_DELTA=False, DO_WRITE=False, HAS_OUT_NORM=False,
+                            WRITE_OUT=False, WRITE_MIX=True)))
     # e4m3fnuz on an NVIDIA GPU (no such Triton type there): the bytes stored by bits.
     out.append(("quant-fnuz+delta+write+norm", dict(
         HAS_DELTA=True, DO_WRITE=True, HAS_OUT_NORM=True, WRITE_OUT=True, WRITE_MIX=True,
