@@ -219,6 +219,34 @@ def test_a_tapped_site_fuses_as_the_capture_variant():
     torch.testing.assert_close(runs[True][0][2], truth, atol=0, rtol=0)
 
 
+def traced_quant(fn, T=4, H=16):
+    """``fn``'s ATen graph under Inductor's decompositions, with fake values (the shape
+    torch 2.11's post-grad graph keeps; 2.13 and later drop a multiply by one first)."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(fn, tracing_mode="fake", decomposition_table=select_decomp_table())(
+        rnd(T, H)).graph
+
+
+def test_a_reciprocal_times_one_is_the_reciprocal():
+    """``1.0 / scale`` traced as ``mul(reciprocal(scale), 1.0)`` (torch 2.11) is the AMD
+    formula, the multiply among the quant's nodes; a multiply by another constant is not."""
+    graph = traced_quant(lambda y: amd_quant(y))
+    [site] = recognise.find_quants(graph)
+    ones = [n for n in site.nodes if n.target is torch.ops.aten.mul.Tensor and 1.0 in n.args]
+    assert site.form == "AMD kernel formula" and len(ones) == 1 and site.private()
+    assert site.params == recognise.QuantParams(torch.float8_e4m3fn, 448.0, 1e-10, 0.0,
+                                                False, None)
+
+    def twice(y):
+        yf = y.float()
+        scale = yf.abs().amax(-1, keepdim=True).clamp(min=1e-10) * (1.0 / 448.0)
+        return (yf * (2.0 / scale)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
+
+    assert recognise.find_quants(traced_quant(twice)) == []
+
+
 def test_fuse_quant_off_is_in_the_cache_key():
     on, off = (make_kimi_backend(fuse_quant=f).passes.uuid() for f in (True, False))
     assert on != off

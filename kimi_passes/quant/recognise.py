@@ -16,6 +16,9 @@ The AMD kernel's formula in plain torch (vLLM's ROCm K3 AttnRes quant)::
     xf = convert(x, f32);  a = clamp_min(amax(abs(xf), [-1], True), 1e-10)
     s = mul(a, 1 / QUANT_MAX);  out = convert(clamp(mul(xf, reciprocal(s)), ...), fp8)
 
+(torch 2.11's post-grad graph keeps ``1.0 / s`` as ``mul(reciprocal(s), 1.0)``; later
+torch drops the multiply by one. Both are the reciprocal.)
+
 vLLM's CUDA op, functionalized: ``auto_functionalized(_C.dynamic_per_token_scaled_fp8_quant,
 result=empty, input=x, scale=empty, scale_ub=...)``, whose new ``result`` and ``scale``
 are the values and the scales. Its kernel computes ``QuantFP8``'s scale
@@ -198,9 +201,8 @@ def _walk(cast: Node, qdtype: torch.dtype) -> QuantSite:
     _need(_is(prod, aten.mul.Tensor) and len(prod.args) == 2)
     chain.take(prod)
     a, b = prod.args
-    values = b if _is(a, aten.reciprocal.default) else a
-    recip = chain.take(a if values is b else b)
-    _need(_is(recip, aten.reciprocal.default))
+    values = b if _is_reciprocal(a) else a
+    recip = _reciprocal(chain, a if values is b else b)
     source = _widened_source(chain, values)
     scale = _node(recip.args[0])
     divide, scale_floor, amax = _scale(chain, scale, qmax)
@@ -225,6 +227,27 @@ def _clamp_bounds(chain: _Chain, node: Node) -> tuple[float, float, Node]:
                     inner)  # type: ignore[return-value]
         node = chain.take(inner)
     raise _NoMatch
+
+
+def _is_reciprocal(node) -> bool:
+    return _is(node, aten.reciprocal.default) or (
+        _is(node, aten.mul.Tensor) and len(node.args) == 2
+        and any(_is(x, aten.reciprocal.default) for x in node.args)
+        and any(_is_one(x) for x in node.args))
+
+
+def _is_one(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 1
+
+
+def _reciprocal(chain: _Chain, node) -> Node:
+    """``reciprocal(s)``, or ``mul(reciprocal(s), 1.0)`` as torch 2.11 traces ``1.0 / s``
+    (multiplying by one is exact): the reciprocal node."""
+    _need(_is_reciprocal(node))
+    if _is(node, aten.mul.Tensor):
+        chain.take(node)
+        node = next(x for x in node.args if _is(x, aten.reciprocal.default))
+    return chain.take(node)
 
 
 def _widened_source(chain: _Chain, values) -> Node:
