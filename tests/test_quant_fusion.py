@@ -31,6 +31,9 @@ pytestmark = pytest.mark.usefixtures("caches_off", "one_thread")
 
 FAST = {"fallback_by_default": True}
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e4m3fnuz: 224.0}
+#: Inductor's CPU codegen rounds a bf16 store before a quant reads it under
+#: ``emulate_precision_casts`` (measured on torch 2.14.0; not on 2.11.0).
+INDUCTOR_EMULATES_CASTS = torch.torch_version.TorchVersion(torch.__version__) >= "2.14"
 
 
 def rnd(*shape, dtype=torch.bfloat16, seed=0, scale=1.0):
@@ -89,9 +92,10 @@ def quant_nodes(graph) -> int:
                and recognise._cast_dtype(n) in recognise.FP8_DTYPES)
 
 
-def check_fused(runs, op="attn_res_quant", form=None):
+def check_fused(runs, op="attn_res_quant", form=None, same_bytes=True):
     (fused, rec), (unfused, urec) = runs[True], runs[False]
-    assert_same_bytes(fused, unfused)
+    if same_bytes:
+        assert_same_bytes(fused, unfused)
     counts = kimi_op_counts(rec.last.after)
     assert counts[op] == 1 and counts["attn_res"] == 0, counts
     assert quant_nodes(rec.last.after) == 0
@@ -123,14 +127,17 @@ def test_generated_cpu_code_and_v1_give_eager_bytes():
     Inductor's C++ backend by default quantizes the unfused graph's AttnRes output before
     rounding it to bf16 (it reuses the fp32 value of the bf16 store: Inductor's
     ``emulate_precision_casts`` is off), so fused and unfused are compared with
-    ``emulate_precision_casts=True``, under which the unfused graph gives eager's bytes too."""
+    ``emulate_precision_casts=True``, under which the unfused graph gives eager's bytes too
+    from torch 2.14 (CI's main job). torch 2.11's C++ codegen still quantizes the fp32 value
+    under that option (77 of 3840 bytes differ from eager here, CI's compatibility job):
+    there only the fused graph is held to eager's bytes."""
     def fn(*a):
         return amd_quant(attn_res(*a))
 
     args = site_inputs(T=40, H=96)
     eager = fn(*[a.clone() for a in args])
     runs = compile_both(fn, args, v2=False, fast=False, emulate_precision_casts=True)
-    check_fused(runs)
+    check_fused(runs, same_bytes=INDUCTOR_EMULATES_CASTS)
     assert_same_bytes(runs[True][0], eager)
     rec = GraphRecorder(make_kimi_backend())
     torch._dynamo.reset()

@@ -3,7 +3,8 @@
 # of its own (.venv-compat, pins in tools/constraints-torch-2.11.txt). Runs the main job
 # and the tests whose subject moves with torch and triton most: the goldens (the rewritten
 # graphs, with their taps' values), the ops (their registration, the C kernel, the Triton
-# kernel under triton 3.6's interpreter), autograd and the depyf dump. vLLM 0.33.0 requires torch 2.14, so its tests
+# kernel under triton 3.6's interpreter), autograd, the depyf dump and the FP8 quant fusion
+# (its recogniser reads the shapes torch traces a quant into). vLLM 0.33.0 requires torch 2.14, so its tests
 # are the main job's. The rest of the suite (refusals, fusion, lowering, taps, ...) ran on
 # 2.11 by hand (docs/testing.md, "Torch versions"); it does not fit in CI's 20 minutes beside the main job.
 #
@@ -35,7 +36,8 @@ if [[ $what == all || $what == check ]]; then
     tests_rc=0
     .venv-compat/bin/python -m pytest -q -n auto \
         tests/test_goldens.py tests/test_ops.py tests/test_cpu_native.py \
-        tests/test_ops_triton.py tests/test_ops_autograd.py tests/test_debug.py || tests_rc=$?
+        tests/test_ops_triton.py tests/test_ops_autograd.py tests/test_debug.py \
+        tests/test_quant_fusion.py || tests_rc=$?
     main_rc=0
     wait "$main_job" || main_rc=$?
     echo "--- main job (torch 2.11.0), exit $main_rc:"
