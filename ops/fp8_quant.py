@@ -50,15 +50,18 @@ def quant_fp8_constants(quant_dtype: torch.dtype, qmax: float | None = None) -> 
                 scale_floor=1.0 / (qmax * QUANT_FP8_SCALE_FLOOR_FACTOR), divide=True)
 
 
-def quantize_rows(out: torch.Tensor, q: AttnResQuantArgs) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(out: torch.Tensor, q: AttnResQuantArgs,
+                  amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(data, scale)`` of ``out`` (``[T, H]`` in the sources' dtype) by ``q``'s quant fields:
     ``data`` ``[T, H]`` in ``q.quant_dtype``, ``scale`` fp32 ``[T, 1]`` (module docstring).
+    ``amax``: the rows' ``max |out|`` (fp32 ``[T, 1]``) where the caller has it already.
     Plain torch, so the CPU lowering traces it as it stands."""
     qmax = quant_max(q)
     y = out.float()
-    # A row of no elements has amax 0 (the kernels' start value), so it takes the floors.
-    amax = (y.abs().amax(-1, keepdim=True) if y.shape[-1]
-            else y.new_zeros((y.shape[0], 1)))
+    if amax is None:
+        # A row of no elements has amax 0 (the kernels' start value): it takes the floors.
+        amax = (y.abs().amax(-1, keepdim=True) if y.shape[-1]
+                else y.new_zeros((y.shape[0], 1)))
     if q.scale_ub is not None:
         amax = amax.clamp(max=q.scale_ub.float())
     amax = amax.clamp(min=q.amax_floor)

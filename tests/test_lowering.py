@@ -269,14 +269,15 @@ def test_wired_stack_one_dynamic_graph_every_T(monkeypatch):
 QUANT_CASES = [(dtype, *rest) for dtype in (torch.float32, torch.bfloat16) for rest in (
     (4, 3, 2, True, torch.float8_e4m3fn, "amd"),
     (4, 2, -1, False, torch.float8_e4m3fnuz, "quant_fp8_ub"),
-    (2, 0, 0, True, torch.float8_e4m3fn, "cuda_op"))]
+    (2, 0, 0, True, torch.float8_e4m3fn, "cuda_op"))] + [
+    (torch.float16, 4, 3, 2, True, torch.float8_e4m3fnuz, "amd")]
 
 
 def test_quant_ops_lower_to_the_cpu_paths_quant():
     """``attn_res_quant`` / ``attn_res_quant_capture`` lowered (no kimi call, the fp8 cast in
     Inductor's C++ code): the bytes and scales are the CPU path's quant statement applied to
-    the lowered ``attn_res`` output, bit for bit, in fp32 and bf16 (the bf16 output read back
-    rounded, not the fp32 value Inductor's C++ kernel would otherwise reuse); against the
+    the lowered ``attn_res`` output, bit for bit, in fp32, bf16 and fp16 (the 16-bit output
+    read back rounded, not the fp32 value Inductor's C++ kernel would otherwise reuse); against the
     eager op, equal on every row whose unquantized outputs are equal; the in-place effects
     as the eager op's, bit for bit, and the captured mixture at the op tolerance."""
     from kimi_passes.ops import quant_fp8_constants

@@ -144,13 +144,11 @@ def _rounded_bf16(v: torch.Tensor) -> torch.Tensor:
     """fp32 ``v`` rounded to bf16, nearest even, as fp32: ``v.to(bf16).float()`` bit for bit.
 
     Inductor's C++ backend skips a ``to(bf16).to(float)`` round trip inside a kernel (it
-    reuses the fp32 value a bf16 store was made from, unless ``emulate_precision_casts``),
-    so the quant would read the unrounded output. The rounding is written on the fp32 bits
-    instead, in int32 arithmetic, which Inductor vectorises (a bitcast to int16 and back
-    would be kept too, but generates the row's loop scalar): add ``0x7FFF`` plus the lowest
-    kept bit, clear the low 16 bits. A finite value past bf16's largest carries into the
-    exponent and becomes inf, as the cast's; inf stays inf; a NaN is passed through (the
-    addition could carry a NaN's payload into inf).
+    reuses the fp32 value a bf16 store was made from, unless ``emulate_precision_casts``).
+    The rounding is written on the fp32 bits instead, in int32 arithmetic: add ``0x7FFF``
+    plus the lowest kept bit, clear the low 16 bits. A finite value past bf16's largest
+    carries into the exponent and becomes inf, as the cast's; inf stays inf; a NaN is passed
+    through (the addition could carry a NaN's payload into inf).
     """
     bits = v.view(torch.int32)
     lsb = torch.bitwise_and(torch.bitwise_right_shift(bits, 16), 1)
@@ -158,20 +156,20 @@ def _rounded_bf16(v: torch.Tensor) -> torch.Tensor:
     return torch.where(v != v, v, rounded)  # v != v: NaN (isnan is not vectorised)
 
 
-def _rounded(out: torch.Tensor, out_fp32: torch.Tensor) -> torch.Tensor:
-    """The op's output as the quant reads it: the stored 16-bit value (``out``), in fp32.
+def _rounded_amax(stored: torch.Tensor) -> torch.Tensor:
+    """``max |stored|`` per row, fp32 ``[T, 1]``, of the 16-bit output ``stored``.
 
-    bf16 is rounded from ``out_fp32`` on its bits (``_rounded_bf16``, vectorised). fp16 is
-    read through a bitcast to int16 and back, which no kernel can skip (its loop is
-    generated scalar; K3 runs in bf16). fp32 is ``out`` itself.
+    Inside one kernel Inductor may hand the reduction the fp32 value the output was
+    rounded from (above). Rounding to nearest is monotonic and symmetric, so the largest
+    rounded magnitude is the rounded largest magnitude (a NaN stays NaN, a value past the
+    dtype's largest rounds to inf either way): the row maxima are rounded once more, on
+    their bits (bf16) or through a bitcast (fp16), which no kernel can skip. Either way
+    the result is the maxima of the stored values; only ``T`` values are rounded.
     """
-    if out.dtype == torch.bfloat16:
-        # Realized: the amax and the quant read the rounded value from one buffer (inlined,
-        # the quant's loop would round the fp32 output again).
-        return _realized(_rounded_bf16(out_fp32))
-    if out.element_size() == 2:
-        return out.view(torch.int16).view(out.dtype)
-    return out
+    amax = stored.float().abs().amax(-1, keepdim=True)
+    if stored.dtype == torch.bfloat16:
+        return _rounded_bf16(amax)
+    return amax.to(stored.dtype).view(torch.int16).view(stored.dtype).float()
 
 
 def attn_res_quant(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight, scale_ub,
@@ -188,7 +186,15 @@ def attn_res_quant(prefix, delta, blocks, norm_weight, qk_weight, output_norm_we
     out, mixed, x, new_blocks = _attn_res_fp32(
         prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
         **{k: const[k] for k in ("num_blocks", "block_write_idx", "eps", "output_norm_eps")})
-    data, scale = quantize_rows(_rounded(out.to(prefix.dtype), out), q)
+    if prefix.dtype == torch.float32 or not out.shape[-1]:
+        data, scale = quantize_rows(out, q)
+    else:
+        # The 16-bit output, a buffer of its own. The quant's loop reads it after the
+        # row maxima's reduction, which reads it too, so the two loops cannot be one
+        # (Inductor fuses no loops across a reduction they both depend on) and the
+        # quant loads the stored values; the maxima are made exact by _rounded_amax.
+        stored = _realized(out.to(prefix.dtype))
+        data, scale = quantize_rows(stored, q, amax=_rounded_amax(stored))
     if capture:
         return data, scale, mixed.to(prefix.dtype), x, new_blocks
     return data, scale, x, new_blocks
