@@ -201,8 +201,9 @@ def _walk(cast: Node, qdtype: torch.dtype) -> QuantSite:
     _need(_is(prod, aten.mul.Tensor) and len(prod.args) == 2)
     chain.take(prod)
     a, b = prod.args
-    values = b if _is_reciprocal(a) else a
-    recip = _reciprocal(chain, a if values is b else b)
+    values, other = (b, a) if _reciprocal(a) is not None else (a, b)
+    recip = chain.take(_node(_reciprocal(other)))
+    chain.take(other)
     source = _widened_source(chain, values)
     scale = _node(recip.args[0])
     divide, scale_floor, amax = _scale(chain, scale, qmax)
@@ -229,25 +230,16 @@ def _clamp_bounds(chain: _Chain, node: Node) -> tuple[float, float, Node]:
     raise _NoMatch
 
 
-def _is_reciprocal(node) -> bool:
-    return _is(node, aten.reciprocal.default) or (
-        _is(node, aten.mul.Tensor) and len(node.args) == 2
-        and any(_is(x, aten.reciprocal.default) for x in node.args)
-        and any(_is_one(x) for x in node.args))
-
-
-def _is_one(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 1
-
-
-def _reciprocal(chain: _Chain, node) -> Node:
-    """``reciprocal(s)``, or ``mul(reciprocal(s), 1.0)`` as torch 2.11 traces ``1.0 / s``
-    (multiplying by one is exact): the reciprocal node."""
-    _need(_is_reciprocal(node))
-    if _is(node, aten.mul.Tensor):
-        chain.take(node)
-        node = next(x for x in node.args if _is(x, aten.reciprocal.default))
-    return chain.take(node)
+def _reciprocal(node) -> Node | None:
+    """The reciprocal node of ``reciprocal(s)``, or of ``mul(reciprocal(s), 1.0)`` as torch
+    2.11 traces ``1.0 / s`` (multiplying by one is exact); None for anything else."""
+    if _is(node, aten.reciprocal.default):
+        return node
+    if not (_is(node, aten.mul.Tensor) and len(node.args) == 2):
+        return None
+    recip, one = node.args if _is(node.args[0], aten.reciprocal.default) else node.args[::-1]
+    unit = isinstance(one, (int, float)) and not isinstance(one, bool) and one == 1
+    return recip if unit and _is(recip, aten.reciprocal.default) else None
 
 
 def _widened_source(chain: _Chain, values) -> Node:
