@@ -27,7 +27,7 @@ from kimi_passes.backend import (  # noqa: E402
 from kimi_passes.config import DrafterTaps, KimiPassConfig, drafter_capture_ids  # noqa: E402
 from kimi_passes.debug.graph_text import graph_text  # noqa: E402
 from kimi_passes.errors import AuxCaptureError  # noqa: E402
-from kimi_passes.passes.manager import KimiPassManager  # noqa: E402
+from kimi_passes.fx.manager import KimiPassManager  # noqa: E402
 from kimi_passes.pipeline import pass_manager  # noqa: E402
 from kimi_passes.taps import AuxStreamPass, aux_tap  # noqa: E402
 

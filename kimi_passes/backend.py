@@ -17,8 +17,8 @@ from torch._dynamo.exc import BackendCompilerFailed
 from kimi_passes.config.drafter import DrafterTaps
 from kimi_passes.config.pass_config import KimiPassConfig
 from kimi_passes.errors import AuxCaptureError
-from kimi_passes.passes.fx_toolkit import calls_to
-from kimi_passes.passes.kimi_calls import AUX_TAP
+from kimi_passes.fx.fx_toolkit import calls_to
+from kimi_passes.fx.kimi_calls import AUX_TAP
 from kimi_passes.pipeline import pass_manager, pre_autograd_manager, training_manager
 from kimi_passes.taps.aux_stream import AuxStreamPass, GraphEnd
 from kimi_passes.taps.unrouted import check_unrouted

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from kimi_passes.config.pass_config import KimiPassConfig
 from kimi_passes.fusion import AttnResFusionPass
+from kimi_passes.fx.manager import KimiPassManager, PassObserver
 from kimi_passes.lowering import LowerKimiOps
-from kimi_passes.passes.manager import KimiPassManager, PassObserver
 from kimi_passes.quant import FuseQuantPass
 from kimi_passes.taps.aux_stream import AuxStreamPass
 

@@ -30,7 +30,7 @@ from op_helpers import OP_TOL
 from process_helpers import one_after_another
 
 from kimi_passes.fusion import AttnResFusionPass
-from kimi_passes.passes import cache_key
+from kimi_passes.fx import cache_key
 from kimi_passes.pipeline import pass_manager
 from kimi_passes.taps.aux_stream import AuxStreamPass
 
@@ -146,8 +146,8 @@ def source_copies(tmp_path, monkeypatch):
     return locate
 
 
-@pytest.mark.parametrize("edited", ["kimi_passes.passes.kimi_calls",
-                                    "kimi_passes.passes.fx_toolkit"])
+@pytest.mark.parametrize("edited", ["kimi_passes.fx.kimi_calls",
+                                    "kimi_passes.fx.fx_toolkit"])
 @pytest.mark.parametrize("which", sorted(PASSES))
 def test_an_edit_to_a_dependency_changes_the_key(source_copies, which, edited):
     p = PASSES[which]()
@@ -170,8 +170,8 @@ def test_an_edit_elsewhere_keeps_the_key(source_copies, which):
 
 def test_the_key_names_the_modules_a_rewrite_runs():
     aux, fusion = AuxStreamPass().source_modules(), AttnResFusionPass().source_modules()
-    for needed in ("kimi_passes.passes.kimi_calls", "kimi_passes.passes.fx_toolkit",
-                   "kimi_passes.passes.base", "kimi_passes.ops.library"):
+    for needed in ("kimi_passes.fx.kimi_calls", "kimi_passes.fx.fx_toolkit",
+                   "kimi_passes.fx.base", "kimi_passes.ops.library"):
         assert needed in aux and needed in fusion, needed
     assert {"kimi_passes.fusion.evaluator", "kimi_passes.fusion.rewrite"} <= set(fusion)
     assert "kimi_passes.taps.aux_stream" in aux and "kimi_passes.fusion" not in aux

@@ -77,7 +77,7 @@ from torch._inductor import config as inductor_config
 from kimi_passes import make_kimi_backend
 from kimi_passes.debug.recording import GraphRecorder
 from kimi_passes.fusion import AttnResFusionPass
-from kimi_passes.passes.manager import PassObserver
+from kimi_passes.fx.manager import PassObserver
 
 PROFILE, SEED, LOG, KEEP_GOING, EXAMPLES = fuzz_env("KIMI_PASSES_FUSION_FUZZ", 20261201, 500)
 KEPT_FAILURES: list[dict] = []

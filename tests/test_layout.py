@@ -289,7 +289,7 @@ PUBLIC = {
         "ENV_VAR", "OPTIONS", "STREAMS", "DrafterTaps", "KimiPassConfig", "drafter_capture_ids",
         "resolve_aux_stream"],
     "kimi_passes.pipeline": ["pass_manager"],
-    "kimi_passes.passes.manager": ["KimiPassManager", "PassObserver"],
+    "kimi_passes.fx.manager": ["KimiPassManager", "PassObserver"],
     "kimi_passes.taps": [
         "STREAMS", "AuxStreamPass", "DrafterTaps", "TapRewrite", "aux_tap",
         "drafter_capture_ids", "resolve_aux_stream"],
@@ -312,13 +312,13 @@ PUBLIC = {
     "kimi_passes.bench": ["main", "bench_op", "bench_tap", "bench_pass", "bench_compile",
                           "bench_quant"],
     # Imports vLLM only when register() routes (the vllm.general_plugins entry point).
-    "kimi_passes.vllm_k3": ["register", "route_attn_res", "unroute_attn_res", "vllm_attn_res",
-                            "vllm_attn_res_amd"],
+    "kimi_passes.vllm.k3_route": ["register", "route_attn_res", "unroute_attn_res",
+                                  "vllm_attn_res", "vllm_attn_res_amd"],
 }
 #: Needs vLLM (skipped without it).
 PUBLIC_VLLM = {"kimi_passes.vllm": [
     "KimiVllmPass", "aux_stream_pass", "attn_res_stream_pass", "compile_config_entries",
-    "prefix_stream_pass"]}
+    "make_vllm_pass", "prefix_stream_pass"]}
 
 
 @pytest.mark.parametrize("module", sorted(PUBLIC))
@@ -362,7 +362,7 @@ def test_the_entry_points_name_live_objects():
     vLLM's plugin ``kimi_passes`` (vllm.general_plugins)."""
     import kimi_passes.__main__
     import kimi_passes.backend
-    import kimi_passes.vllm_k3
+    import kimi_passes.vllm.k3_route
 
     eps = metadata.entry_points()
     (backend,) = [e for e in eps.select(group="torch_dynamo_backends") if e.name == "kimi"]
@@ -372,7 +372,7 @@ def test_the_entry_points_name_live_objects():
     plugins = [e for e in eps.select(group="vllm.general_plugins") if e.name == "kimi_passes"]
     assert plugins, ("the installed metadata has no vllm.general_plugins entry point "
                      "kimi_passes: reinstall (`pip install -e .`) after pyproject.toml changed")
-    assert plugins[0].load() is kimi_passes.vllm_k3.register
+    assert plugins[0].load() is kimi_passes.vllm.k3_route.register
 
 
 # --------------------------------------------------------------------------- the options

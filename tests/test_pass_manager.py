@@ -11,8 +11,8 @@ import logging
 import pytest
 import torch
 
-from kimi_passes.passes.base import KimiGraphPass
-from kimi_passes.passes.manager import KimiPassManager, PassObserver
+from kimi_passes.fx.base import KimiGraphPass
+from kimi_passes.fx.manager import KimiPassManager, PassObserver
 from kimi_passes.pipeline import pass_manager
 
 

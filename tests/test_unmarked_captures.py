@@ -20,8 +20,8 @@ from unmarked_programs import VllmLikeK3
 
 import kimi_passes
 from kimi_passes import AuxCaptureError, AuxStreamPass, make_kimi_backend
-from kimi_passes.passes.fx_toolkit import kimi_op
-from kimi_passes.passes.manager import PassObserver
+from kimi_passes.fx.fx_toolkit import kimi_op
+from kimi_passes.fx.manager import PassObserver
 
 pytestmark = pytest.mark.usefixtures("caches_off", "aten_fallback")
 
@@ -231,7 +231,7 @@ def test_running_prefix_handed_on_is_no_capture():
 def test_layer_index_reads_every_module_path_spelling(path):
     """Dynamo spells a module reached through ``__dict__`` (a model whose forward mutates an
     attribute of itself) ``['layers'].3``; its calls still carry their layer."""
-    from kimi_passes.passes.kimi_calls import layer_index
+    from kimi_passes.fx.kimi_calls import layer_index
 
     node = torch.fx.Graph().placeholder("x")
     node.meta["nn_module_stack"] = {"m": (path, torch.nn.Module)}

@@ -3,7 +3,7 @@
 Each model is compiled through ``@support_torch_compile`` and ``VllmBackend``: Dynamo's
 graph is split at the attention custom op listed in ``splitting_ops`` (the number of
 pieces is asserted), each piece goes through Inductor with vLLM's ``PostGradPassManager``,
-which runs ``kimi_passes.vllm.aux_stream_pass``. Two model shapes x vLLM's default
+which runs ``kimi_passes.vllm.make_vllm_pass``. Two model shapes x vLLM's default
 functionalization (``auto_functionalized`` v1) and v2 x {attn_res fused, attn_res unfused,
 prefix}, at Inductor's ``fallback_by_default``, and one case more with C++ kernels
 (REAL_CODEGEN); one dynamic graph serves two token counts; every tap is compared with the
@@ -253,12 +253,12 @@ def test_split_at_the_tap_marker_is_refused(stream):
 
 def test_adapter_object():
     from kimi_passes.pipeline import pass_manager
-    from kimi_passes.vllm import InductorPass, KimiVllmPass, aux_stream_pass
+    from kimi_passes.vllm import InductorPass, KimiVllmPass, make_vllm_pass
 
-    p = aux_stream_pass("prefix", fuse_capture=False)
+    p = make_vllm_pass("prefix", fuse_capture=False)
     assert isinstance(p, InductorPass)
     assert p.uuid() == pass_manager(aux_stream="prefix", fuse_capture=False).uuid()
-    assert len({aux_stream_pass(s, fuse_capture=f, fuse_torch_mixing=m, lower_kimi_ops=lo).uuid()
+    assert len({make_vllm_pass(s, fuse_capture=f, fuse_torch_mixing=m, lower_kimi_ops=lo).uuid()
                 for s in ("attn_res", "prefix") for f in (True, False)
                 for m in (True, False) for lo in (True, False)}) == 16
     assert p.is_applicable_for_range(None) and p.is_applicable_for_shape(None)
@@ -279,19 +279,19 @@ def test_vllm_config_hash_covers_the_stream_and_options():
 
 
 def test_adapter_stream_resolution(monkeypatch, tmp_path):
-    from kimi_passes.vllm import aux_stream_pass
+    from kimi_passes.vllm import make_vllm_pass
 
     monkeypatch.delenv("KIMI_PASSES_AUX_STREAM", raising=False)
     draft = tmp_path / "config.json"
     draft.write_text(json.dumps({"aux_hidden_stream": "prefix"}))
-    assert aux_stream_pass().aux_stream == "attn_res"
-    assert aux_stream_pass(draft_config=str(draft)).aux_stream == "prefix"
+    assert make_vllm_pass().aux_stream == "attn_res"
+    assert make_vllm_pass(draft_config=str(draft)).aux_stream == "prefix"
     monkeypatch.setenv("KIMI_PASSES_AUX_STREAM", "attn_res")
-    assert aux_stream_pass(draft_config=str(draft)).aux_stream == "attn_res"
-    assert aux_stream_pass("prefix").aux_stream == "prefix"
+    assert make_vllm_pass(draft_config=str(draft)).aux_stream == "attn_res"
+    assert make_vllm_pass("prefix").aux_stream == "prefix"
     monkeypatch.setenv("KIMI_PASSES_AUX_STREAM", "post_norm")
     with pytest.raises(ValueError, match="unknown aux stream 'post_norm'"):
-        aux_stream_pass()
+        make_vllm_pass()
 
 
 def test_vllm_config_accepts_the_adapter_and_rejects_the_bare_pass():
@@ -346,7 +346,9 @@ def test_callable_string_route_is_refused():
 def test_import_kimi_passes_does_not_import_vllm_and_adapter_names_the_install():
     code = ("import sys, kimi_passes; assert 'vllm' not in sys.modules, 'imported vllm'\n"
             "sys.modules['vllm'] = None\n"
-            "try:\n    import kimi_passes.vllm\nexcept ImportError as e:\n    print(e)\n")
+            "import kimi_passes.vllm.k3_route\n"  # the plugin module imports no vLLM
+            "try:\n    from kimi_passes.vllm import compile_config_entries\n"
+            "except ImportError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=120).stdout
     assert "kimi_passes.vllm needs vLLM: install it" in out

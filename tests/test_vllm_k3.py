@@ -4,7 +4,7 @@ The installed NVIDIA (``nvidia/model.py``) and ROCm (``amd/linear.py``) forward 
 unmodified (tests/vllm_k3_harness.py names the stand-ins: attention, the MoE/MLP, the
 embedding, the norm/projection weight holders, the PP group, and vLLM's GPU-only Triton
 import). vLLM's ``attn_res`` reaches the graph the way users get it: the
-``vllm.general_plugins`` entry point ``kimi_passes`` (``kimi_passes.vllm_k3``), loaded by
+``vllm.general_plugins`` entry point ``kimi_passes`` (``kimi_passes.vllm.k3_route``), loaded by
 vLLM's own ``load_general_plugins`` with ``$KIMI_PASSES_AUX_STREAM`` set.
 
 The truth, for every aux state: the installed NVIDIA code's own eager output with
@@ -43,10 +43,10 @@ from fp8_helpers import assert_rows_agree, gpu_rounding, vllm_amd  # noqa: E402
 from op_helpers import OP_TOL, clone_args, make_args  # noqa: E402
 
 import kimi_passes  # noqa: E402
-import kimi_passes.vllm_k3 as route  # noqa: E402
+import kimi_passes.vllm.k3_route as route  # noqa: E402
 from kimi_passes.config.stream import ENV_VAR  # noqa: E402
+from kimi_passes.fx.manager import PassObserver  # noqa: E402
 from kimi_passes.ops import AttnResArgumentError  # noqa: E402
-from kimi_passes.passes.manager import PassObserver  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("aten_fallback", "caches_off")]
 

@@ -27,7 +27,7 @@ Stand-ins, for what cannot run here, and only those:
   ``triton`` / ``triton.language`` imported directly (its one changed line), the kernel
   interpreted (``TRITON_INTERPRET=1``).
 
-vLLM's ``attn_res`` itself is the route users get (``kimi_passes.vllm_k3``: rebound to
+vLLM's ``attn_res`` itself is the route users get (``kimi_passes.vllm.k3_route``: rebound to
 ``kimi::attn_res``) or, where a test says so, vLLM's own Triton kernel under
 ``TRITON_INTERPRET=1``.
 """

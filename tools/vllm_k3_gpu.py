@@ -10,7 +10,7 @@ time per forward (CUDA events, the rows interleaved round by round, median of ro
   eager, ``VLLM_KIMI_K3_AUX_ATTN_RES_STREAM=0`` (the prefix stream: its error is the bug);
 - ``vllm on``: the same with the flag on (a second mixing call per capture);
 - ``vllm on, compiled``: that, compiled by plain Inductor (Dynamo traces vLLM's launch);
-- ``kimi pass``: the route users get (``kimi_passes.vllm_k3``: ``kimi::attn_res``), flag
+- ``kimi pass``: the route users get (``kimi_passes.vllm.k3_route``: ``kimi::attn_res``), flag
   off, compiled with ``kimi_backend`` (attn_res stream): one dynamic compile for every T.
 
 First, on CUDA: vLLM's own ``attn_res`` left unrouted and compiled with ``kimi_backend``
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     import vllm_k3_harness as h  # type: ignore[import-not-found]
 
     import kimi_passes
-    import kimi_passes.vllm_k3 as route
+    import kimi_passes.vllm.k3_route as route
 
     dtype = getattr(torch, args.dtype)
     spec = h.Spec(num_layers=args.layers, hidden=args.hidden, block_size=args.block_size,

@@ -68,7 +68,7 @@ def _no_graph_caches():
 def _timed_backend(aux_stream="attn_res", abort=False, keep_graph=True):
     """A kimi backend whose pass manager reports its time and a copy of its input graph."""
     from kimi_passes import make_kimi_backend
-    from kimi_passes.passes.manager import PassObserver
+    from kimi_passes.fx.manager import PassObserver
 
     backend = make_kimi_backend(aux_stream=aux_stream)
     rec: dict[str, Any] = {"pass_s": 0.0, "calls": 0, "graph": None, "nodes": 0,

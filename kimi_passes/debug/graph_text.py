@@ -43,7 +43,7 @@ from kimi_passes.debug.kimi_view import (
     functional_how,
     functional_output,
 )
-from kimi_passes.passes.fx_toolkit import AUTO_FUNCTIONALIZED, kimi_op
+from kimi_passes.fx.fx_toolkit import AUTO_FUNCTIONALIZED, kimi_op
 
 VIEWS = ("full", "skeleton", "kimi")
 #: Every kimi op, as ``kimi_op_counts`` counts them.

@@ -34,7 +34,7 @@ from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
 from torch.fx import Graph, Node
 
 from kimi_passes.debug.graph_names import op_name
-from kimi_passes.passes.fx_toolkit import AUTO_FUNCTIONALIZED, CASTS, kimi_op
+from kimi_passes.fx.fx_toolkit import AUTO_FUNCTIONALIZED, CASTS, kimi_op
 
 #: Ops that show the same values under another shape (printed ``view(...)``).
 VIEWS = frozenset({

@@ -23,7 +23,7 @@ from torch.fx import Graph, GraphModule, Node
 from kimi_passes.backend import KimiBackend, make_kimi_backend
 from kimi_passes.debug.graph_names import input_names
 from kimi_passes.debug.graph_text import graph_text, kimi_op_counts
-from kimi_passes.passes.manager import PassObserver
+from kimi_passes.fx.manager import PassObserver
 
 
 @contextlib.contextmanager

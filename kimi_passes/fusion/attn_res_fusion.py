@@ -80,9 +80,9 @@ from kimi_passes.fusion.rewrite import FusedSite, MixtureMatch, rewrite, with_re
 from kimi_passes.fusion.rules import SOFTMAX_OPS
 from kimi_passes.fusion.sources import split_sources
 from kimi_passes.fusion.values import MixtureValue, NoMatch
-from kimi_passes.passes.base import KimiGraphPass, logger
-from kimi_passes.passes.fx_toolkit import CASTS, calls_to
-from kimi_passes.passes.kimi_calls import AUX_TAP
+from kimi_passes.fx.base import KimiGraphPass, logger
+from kimi_passes.fx.fx_toolkit import CASTS, calls_to
+from kimi_passes.fx.kimi_calls import AUX_TAP
 
 aten = torch.ops.aten
 

@@ -21,7 +21,7 @@ from kimi_passes.fusion.values import (
     same_size,
     shape_of,
 )
-from kimi_passes.passes.fx_toolkit import COPIES, arg_int
+from kimi_passes.fx.fx_toolkit import COPIES, arg_int
 
 aten = torch.ops.aten
 

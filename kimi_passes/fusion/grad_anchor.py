@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 from torch.fx import Graph, Node
 
+from kimi_passes.fx.base import logger
+from kimi_passes.fx.fx_toolkit import call_function, dtype_of
 from kimi_passes.ops.attn_res_args import MixArgs, MixListArgs
-from kimi_passes.passes.base import logger
-from kimi_passes.passes.fx_toolkit import call_function, dtype_of
 
 aten = torch.ops.aten
 kimi = torch.ops.kimi

@@ -25,7 +25,7 @@ from kimi_passes.fusion.values import (
     shape_of,
     static_int,
 )
-from kimi_passes.passes.fx_toolkit import (
+from kimi_passes.fx.fx_toolkit import (
     CASTS,
     call_function,
     dtype_of,

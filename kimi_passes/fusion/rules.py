@@ -30,7 +30,7 @@ from kimi_passes.fusion.values import (
     shape_of,
     static_int,
 )
-from kimi_passes.passes.fx_toolkit import CASTS, arg_node, dtype_of, is_lossless
+from kimi_passes.fx.fx_toolkit import CASTS, arg_node, dtype_of, is_lossless
 
 aten = torch.ops.aten
 

@@ -23,7 +23,7 @@ from kimi_passes.fusion.values import (
     same_size,
     shape_of,
 )
-from kimi_passes.passes.fx_toolkit import arg_int, arg_node, arg_nodes
+from kimi_passes.fx.fx_toolkit import arg_int, arg_node, arg_nodes
 
 aten = torch.ops.aten
 

@@ -36,13 +36,13 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx import Graph, Node
 
+from kimi_passes.fx.base import KimiGraphPass
+from kimi_passes.fx.fx_toolkit import call_function
+from kimi_passes.fx.kimi_calls import AttnResCall, attn_res_calls, attn_res_quant_calls
 from kimi_passes.lowering import decompositions as dec
 from kimi_passes.lowering.private_trace import PrivateTrace, TraceRefused
 from kimi_passes.ops.attn_res_args import AttnResQuantArgs
 from kimi_passes.ops.conventions import MUTATED_ARGS as MUTATED
-from kimi_passes.passes.base import KimiGraphPass
-from kimi_passes.passes.fx_toolkit import call_function
-from kimi_passes.passes.kimi_calls import AttnResCall, attn_res_calls, attn_res_quant_calls
 
 kimi = torch.ops.kimi
 #: The dtypes the statements are written for (fp32 accumulation); fp64 (the tests'

@@ -47,9 +47,9 @@ from typing import cast
 import torch
 from torch.fx import Graph, Node
 
-from kimi_passes.passes.base import KimiGraphPass
-from kimi_passes.passes.fx_toolkit import INPUT_CONSTRAINTS, call_function, getitem
-from kimi_passes.passes.kimi_calls import AttnResCall
+from kimi_passes.fx.base import KimiGraphPass
+from kimi_passes.fx.fx_toolkit import INPUT_CONSTRAINTS, call_function, getitem
+from kimi_passes.fx.kimi_calls import AttnResCall
 from kimi_passes.quant.recognise import QuantSite, find_quants
 
 kimi = torch.ops.kimi

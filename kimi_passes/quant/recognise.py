@@ -45,13 +45,13 @@ import torch
 from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
 from torch.fx import Graph, Node
 
-from kimi_passes.ops.attn_res_args import AttnResArgs, AttnResQuantArgs
-from kimi_passes.passes.fx_toolkit import (
+from kimi_passes.fx.fx_toolkit import (
     AUTO_FUNCTIONALIZED,
     CASTS,
     dtype_of,
     is_lossless,
 )
+from kimi_passes.ops.attn_res_args import AttnResArgs, AttnResQuantArgs
 
 aten = torch.ops.aten
 

@@ -63,11 +63,10 @@ from torch.fx import Node
 from kimi_passes.config.drafter import DrafterTaps
 from kimi_passes.config.stream import STREAMS
 from kimi_passes.errors import AuxCaptureError
-from kimi_passes.ops.conventions import cdiv
-from kimi_passes.passes.base import KimiGraphPass
-from kimi_passes.passes.fx_toolkit import call_function, calls_to
-from kimi_passes.passes.host_key import check_host_key
-from kimi_passes.passes.kimi_calls import (
+from kimi_passes.fx.base import KimiGraphPass
+from kimi_passes.fx.fx_toolkit import call_function, calls_to
+from kimi_passes.fx.host_key import check_host_key
+from kimi_passes.fx.kimi_calls import (
     AUX_TAP,
     AttnResCall,
     attn_res_calls,
@@ -75,6 +74,7 @@ from kimi_passes.passes.kimi_calls import (
     mix_nodes,
     tap_args,
 )
+from kimi_passes.ops.conventions import cdiv
 from kimi_passes.taps.capture import (
     Capture,
     find_captures,

@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Node
 
-from kimi_passes.passes.fx_toolkit import COPIES, dtype_of, root, sum_operands
-from kimi_passes.passes.kimi_calls import AttnResCall
+from kimi_passes.fx.fx_toolkit import COPIES, dtype_of, root, sum_operands
+from kimi_passes.fx.kimi_calls import AttnResCall
 
 aten = torch.ops.aten
 

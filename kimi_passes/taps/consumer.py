@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from kimi_passes.passes.fx_toolkit import is_plain_add, root, same_sum
-from kimi_passes.passes.kimi_calls import AttnResCall, attn_res_calls, mix_nodes
+from kimi_passes.fx.fx_toolkit import is_plain_add, root, same_sum
+from kimi_passes.fx.kimi_calls import AttnResCall, attn_res_calls, mix_nodes
 
 
 def reads_value(call: AttnResCall, value) -> bool:

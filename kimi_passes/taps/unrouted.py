@@ -4,7 +4,7 @@ Invariant, per graph the ``kimi`` backend or the aux-stream pass sees (raised as
 ``AuxCaptureError``, before any rewrite): under the ``"attn_res"`` stream no node calls
 vLLM's K3 ``attn_res`` as vLLM ships it. The kimi passes recognise aux captures only
 around ``kimi::attn_res``; a K3 forward whose ``attn_res`` was not routed to it
-(``kimi_passes.vllm_k3``) keeps vLLM's captures, the running prefix (the legacy stream),
+(``kimi_passes.vllm.k3_route``) keeps vLLM's captures, the running prefix (the legacy stream),
 and the drafter would silently lose acceptance. Under the ``"prefix"`` stream vLLM's
 values are the ones asked for: nothing is checked.
 
@@ -117,7 +117,7 @@ def check_unrouted(graph: torch.fx.Graph, stream: str) -> None:
         f"would silently lose acceptance. Remedy: start vLLM with ${ENV_VAR}=attn_res set "
         "(kimi_passes' vllm.general_plugins entry point then routes vLLM's attn_res to "
         "kimi::attn_res before the model is built; if $VLLM_PLUGINS is set, it must list "
-        "kimi_passes; without the package metadata call kimi_passes.vllm_k3.register() "
+        "kimi_passes; without the package metadata call kimi_passes.vllm.k3_route.register() "
         "after importing vLLM), or request aux_stream='prefix' to serve vLLM's own values. "
         "Serving no drafter, the kimi passes have nothing to do in this graph: compile with "
         "backend='inductor'. docs/reference.md, \"vLLM's Kimi K3\"")

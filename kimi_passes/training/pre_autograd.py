@@ -35,7 +35,7 @@ import torch
 from torch.fx import GraphModule
 
 from kimi_passes.fusion import AttnResFusionPass
-from kimi_passes.passes.base import logger
+from kimi_passes.fx.base import logger
 from kimi_passes.training.trace import (
     differentiable_copies,
     mark_requires_grad,

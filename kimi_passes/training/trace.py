@@ -22,7 +22,7 @@ from torch.fx import GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from kimi_passes.fusion.grad_anchor import REQUIRES_GRAD
-from kimi_passes.passes.fx_toolkit import call_function
+from kimi_passes.fx.fx_toolkit import call_function
 
 aten = torch.ops.aten
 

@@ -20,7 +20,7 @@ import time
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from kimi_passes.passes.cache_key import dependencies, source_hash
+from kimi_passes.fx.cache_key import dependencies, source_hash
 
 logger = logging.getLogger("kimi_passes")
 

@@ -16,7 +16,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from kimi_passes.config.pass_config import KimiPassConfig
-from kimi_passes.passes.host_key import check_host_key
+from kimi_passes.fx.host_key import check_host_key
 
 
 class PassObserver:

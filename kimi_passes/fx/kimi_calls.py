@@ -19,8 +19,7 @@ import torch
 from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
 from torch.fx import Node
 
-from kimi_passes.ops.conventions import MUTATED_ARGS
-from kimi_passes.passes.fx_toolkit import (
+from kimi_passes.fx.fx_toolkit import (
     arg_int,
     arg_node,
     calls_to,
@@ -28,6 +27,7 @@ from kimi_passes.passes.fx_toolkit import (
     getitem,
     kimi_op,
 )
+from kimi_passes.ops.conventions import MUTATED_ARGS
 
 kimi = torch.ops.kimi
 

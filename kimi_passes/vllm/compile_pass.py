@@ -10,10 +10,11 @@ This module imports vLLM; ``import kimi_passes`` never imports it.
 
 The string route ``CompilationConfig(inductor_passes={"post_grad_custom_post_pass":
 "kimi_passes.vllm.attn_res_stream_pass"})`` (or ``...prefix_stream_pass``) is safe too:
-vLLM resolves ``"a.b.name"`` by importing ``a.b`` and reading ``name`` from the top
-package ``a``, so importing this module also publishes those two objects on
-``kimi_passes``. They are ``InductorPass`` instances, so vLLM keeps them as they are
-(no ``CallableInductorPass`` wrapper, whose key would hash the class source only).
+vLLM resolves ``"a.b.name"`` as ``__import__("a.b").__dict__["name"]``: it reads the
+top package's ``__dict__`` (no module ``__getattr__`` is asked), so this module places
+those two objects on ``kimi_passes`` when it is imported (the one write into the parent
+package, at the end of this file). They are ``InductorPass`` instances, so vLLM keeps
+them as they are (no ``CallableInductorPass`` wrapper, whose key hashes the class only).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import torch
 from kimi_passes.config.drafter import DrafterTaps, drafter_capture_ids
 from kimi_passes.config.pass_config import KimiPassConfig
 from kimi_passes.errors import AuxCaptureError
-from kimi_passes.passes.manager import KimiPassManager
+from kimi_passes.fx.manager import KimiPassManager
 from kimi_passes.pipeline import pass_manager
 from kimi_passes.taps.aux_stream import AuxStreamPass
 
@@ -153,7 +154,7 @@ def _splitting_ops() -> tuple[str, ...] | None:
     return tuple(cc.splitting_ops)
 
 
-def aux_stream_pass(aux_stream: str | None = None, **options) -> KimiVllmPass:
+def make_vllm_pass(aux_stream: str | None = None, **options) -> KimiVllmPass:
     """The kimi passes as vLLM's ``post_grad_custom_post_pass``.
 
     The options are ``KimiPassConfig``'s, resolved once, here (the stream as for
@@ -166,12 +167,16 @@ def aux_stream_pass(aux_stream: str | None = None, **options) -> KimiVllmPass:
 
 def compile_config_entries(aux_stream: str | None = None, **options) -> dict[str, Any]:
     """The ``CompilationConfig.inductor_compile_config`` entries to add, as a dict."""
-    return {PASS_KEY: aux_stream_pass(aux_stream, **options)}
+    return {PASS_KEY: make_vllm_pass(aux_stream, **options)}
 
 
 #: For the string route (see the module docstring); fixed streams, default options.
 attn_res_stream_pass = KimiVllmPass(KimiPassConfig(aux_stream="attn_res"))
 prefix_stream_pass = KimiVllmPass(KimiPassConfig(aux_stream="prefix"))
 
+#: The factory's earlier name, kept for the code that imports it.
+aux_stream_pass = make_vllm_pass
+
+# vLLM's resolver reads kimi_passes.__dict__ (see the module docstring).
 vars(sys.modules["kimi_passes"]).update(attn_res_stream_pass=attn_res_stream_pass,
                                         prefix_stream_pass=prefix_stream_pass)

@@ -1,0 +1,31 @@
+"""kimi_passes inside vLLM: the compile-pipeline pass and the K3 route.
+
+- ``compile_pass``: ``KimiVllmPass``, the kimi pass manager as vLLM's post-grad
+  ``InductorPass`` (``compile_config_entries``, ``make_vllm_pass``, the two named
+  ``<stream>_stream_pass`` objects for ``inductor_passes``). Imports vLLM.
+- ``k3_route``: the ``vllm.general_plugins`` entry point that routes vLLM's own K3
+  ``attn_res`` calls to ``kimi::attn_res`` when ``$KIMI_PASSES_AUX_STREAM`` is set.
+  Imports vLLM only when it routes.
+
+Importing this package imports neither: the names of ``compile_pass`` load on first use,
+so vLLM's plugin loader reaches ``k3_route`` without importing vLLM's compile pipeline.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+#: The names read from ``compile_pass`` on first use (needs vLLM).
+COMPILE_PASS_NAMES = (
+    "InductorPass", "KimiVllmPass", "aux_stream_pass", "attn_res_stream_pass",
+    "compile_config_entries", "make_vllm_pass", "prefix_stream_pass", "served_drafter",
+)
+
+__all__ = list(COMPILE_PASS_NAMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name in COMPILE_PASS_NAMES:
+        return getattr(importlib.import_module(f"{__name__}.compile_pass"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
