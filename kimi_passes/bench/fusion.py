@@ -39,6 +39,7 @@ from kimi_passes.bench.models import (
     k3_config,
     wiring_only,
 )
+from kimi_passes.debug.recording import graph_caches_off
 from kimi_passes.fusion import AttnResFusionPass
 from kimi_passes.graphs.k3 import K3Model
 
@@ -126,7 +127,9 @@ def run(name, build, args) -> None:
     kimi = make_kimi_backend()
     plain_fn = make_step(torch.compile(model, backend="inductor"), model, inputs, args.train)
     kimi_fn = make_step(torch.compile(model, backend=kimi), model, inputs, args.train)
-    n = _check(kimi, model, inputs, kimi_fn(), plain_fn(), args.train)  # compiles both
+    # Both compile here; caches off, or a cached graph would skip the passes (0 fused).
+    with graph_caches_off():
+        n = _check(kimi, model, inputs, kimi_fn(), plain_fn(), args.train)
     timer = Timer(args.rounds, block_s=args.min_run_time, threads=args.threads,
                   max_s=float("inf"))
     t = timer.run({"plain": plain_fn, "kimi": kimi_fn})

@@ -224,13 +224,9 @@ def bench_op(cfg, log) -> dict:
                     peers[name] = fn
         errors = {}
         if cfg.check:
-            errors = _check_op(makers, peers, args, notes)
-            for name in list(makers):
-                if name in notes:
-                    makers.pop(name)
-            for name in list(peers):
-                if name in notes:
-                    peers.pop(name)
+            errors = _check_op(makers, peers, args, notes)  # a failing one is in notes
+            makers = {k: v for k, v in makers.items() if k not in notes}
+            peers = {k: v for k, v in peers.items() if k not in notes}
         src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
         dst = torch.empty_like(src)
         # Every candidate shares ``args``: the in-place effects are idempotent enough

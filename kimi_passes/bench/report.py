@@ -10,6 +10,7 @@ import torch
 
 from kimi_passes.bench.harness import fmt_ratio
 from kimi_passes.bench.op import OP_HEADER, op_line
+from kimi_passes.bench.quant import quant_line
 from kimi_passes.ops.conventions import cdiv
 
 
@@ -138,12 +139,7 @@ def _quant(w, results: dict) -> None:
     w("   speedup = t(unfused) / t(fused) per round, median [IQR]; control = t(unfused) / "
       "t(a second unfused compile)")
     for r in results["quant"]["rows"]:
-        t = r["time_s"]
-        w(f"   T={r['T']:5d} H={r['H']} nb={r['nb']} {r['dtype']}: fused "
-          f"{t['fused']['median'] * 1e3:9.3f} ms, unfused {t['unfused']['median'] * 1e3:9.3f}"
-          f" ms, speedup {fmt_ratio(r['speedup'])}, control {fmt_ratio(r['control'])}, "
-          "bytes and scales equal: "
-          f"{r['bytes_and_scales_equal']}")
+        w("   " + quant_line(r))
 
 
 #: A section's lines of the report, in report order.

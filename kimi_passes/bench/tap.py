@@ -8,15 +8,11 @@ the vLLM-style capture (``attn_res`` stream, ``fuse_capture=False``: a separate
 at op level (each tap's consumer timed alone, with ``attn_res_capture``, and followed by
 the separate ``attn_res_mix``: the extra times summed over the taps).
 
-Why "faster than the separate read" is not a step-level target on CPU: ``LowerKimiOps``
-turns both the fused capture and the separate ``attn_res_mix`` into generated code, and
-Inductor fuses the separate read into the loops of its consumer, which read the same
-sources. At the quick size (L=4, H=256, T=64) both steps compile to 13 kernels, 28
-matmuls and 25 loops over H; the separate read adds 6 small buffer allocations (51
-against 45), a few microseconds of a step of tens of milliseconds, far below the spread
-of paired step ratios on a shared CPU (BENCHMARKS.md, table 2). A strict ``<`` at step
-level would be decided by noise, so the step is held to "no worse" (<= 1.02) and the
-saving is measured where it is resolved, at op level.
+At step level the separate read is not resolved on CPU: ``LowerKimiOps`` turns both
+captures into generated code and Inductor fuses the separate read into its consumer's loops
+(the same kernels, a few buffer allocations more; BENCHMARKS.md, table 2), far below the
+spread of paired step ratios. So the step is held to "no worse" (<= 1.02) and the saving is
+measured where it is resolved, at op level.
 """
 
 from __future__ import annotations
