@@ -27,10 +27,13 @@ import subprocess
 import sys
 import time
 import warnings
-from dataclasses import dataclass
-from typing import cast
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from kimi_passes.debug.recording import GraphRecorder
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 5e-3}
@@ -175,130 +178,156 @@ def main(argv=None) -> int:
         return _run(args, cfg, stages)
 
 
+@dataclass
+class _Stages:
+    """What the stages' compiles and runs found, stage after stage."""
+
+    rows: list[TapRow] = field(default_factory=list)
+    times: list[tuple[str, float]] = field(default_factory=list)
+    recorders: list[tuple[str, GraphRecorder]] = field(default_factory=list)
+    recompiles: int = 0
+    output_err: float | None = None
+
+    def graphs(self):
+        """``(label, recorded graph)`` of every stage's graphs, in order."""
+        for name, recorder in self.recorders:
+            for i, g in enumerate(recorder.graphs):
+                part = f" graph {i}" if len(recorder.graphs) > 1 else ""
+                yield f"stage {name}{part}", g
+
+
 def _run(args, cfg, stages) -> int:
-    import torch.nn.functional as F
-    from torch._dynamo.exc import BackendCompilerFailed
     from torch._dynamo.utils import counters
 
-    from kimi_passes import AuxCaptureError, make_kimi_backend
     from kimi_passes.debug import dump, pass_dumps
-    from kimi_passes.debug.graph_text import graph_dot
-    from kimi_passes.debug.recording import GraphRecorder, graph_caches_off
-    from kimi_passes.graphs import K3Model
+    from kimi_passes.debug.recording import graph_caches_off
 
     tol = TOLERANCE[args.dtype]
-    L, S = cfg.num_layers, cfg.attn_res_block_size
     fuse = not args.no_fuse
-    inductor = {"fallback_by_default": True} if args.aten_fallback else {}
     stage_names = ", ".join(f"[{s}, {e})" for s, e in stages)
     capture = "n/a" if args.stream == "prefix" else ("fused capture" if fuse else
                                                       "separate attn_res_mix capture")
-    print(f"kimi-passes: K3 L={L} S={S} H={cfg.hidden_size} heads={cfg.num_heads} "
-          f"T={args.tokens} {args.dtype}; taps {list(cfg.aux_layer_ids)}; stream "
-          f"{args.stream} ({capture}); stages {stage_names}"
+    print(f"kimi-passes: K3 L={cfg.num_layers} S={cfg.attn_res_block_size} H={cfg.hidden_size} "
+          f"heads={cfg.num_heads} T={args.tokens} {args.dtype}; taps {list(cfg.aux_layer_ids)}; "
+          f"stream {args.stream} ({capture}); stages {stage_names}"
           + ("; ATen fallbacks" if args.aten_fallback else ""))
-
     ids = torch.randint(0, cfg.vocab_size, (args.tokens,),
                         generator=torch.Generator().manual_seed(args.seed))
     counters.clear()
-    rows: list[TapRow] = []
-    times: list[tuple[str, float]] = []
-    recompiles = 0
-    recorders: list[tuple[str, GraphRecorder]] = []
-    output_err = None
+    found = _Stages()
     dumping = dump(args.dump) if args.dump else contextlib.nullcontext()
     with torch.no_grad(), graph_caches_off(), dumping:
         inputs, ref_inputs = (ids,), (ids,)
         for start, end in stages:
-            name = f"[{start}, {end})"
-            model = K3Model(cfg, start, end)
-            recorder = GraphRecorder(make_kimi_backend(aux_stream=args.stream,
-                                                       fuse_capture=fuse, **inductor))
-            recorders.append((name, recorder))
-            torch._dynamo.reset()
-            compiled = torch.compile(model, backend=recorder)
-            t0 = time.perf_counter()
-            try:
-                out, taps = compiled(*inputs)
-            except (AuxCaptureError, BackendCompilerFailed) as e:
-                error = getattr(e, "inner_exception", e)
-                if isinstance(error, AuxCaptureError):
-                    print(f"kimi-passes: stage {name}: the aux-stream pass refused the "
-                          f"compile:\nAuxCaptureError: {error}", file=sys.stderr)
-                    return 1
-                raise
-            times.append((name, time.perf_counter() - t0))
-            compiled_graphs = len(recorder.graphs)
-            compiled(*inputs)  # the same call again: served without recompiling
-            recompiles += len(recorder.graphs) - compiled_graphs
-
-            ref_out, prefix_taps = model(*ref_inputs)
-            if args.stream == "attn_res":
-                truth, reference = model.ground_truth(*ref_inputs)[1], "ground truth"
-            else:
-                truth, reference = prefix_taps, "eager prefix"
-            rewrites = {r.capture_id: r for g in recorder.graphs for r in g.rewrites}
-            for k, got, want, legacy in zip(model.capture_ids, taps, truth, prefix_taps,
-                                            strict=True):
-                r = rewrites.get(k)
-                err = (got.float() - want.float()).abs().max().item()
-                cos = F.cosine_similarity(got.float().flatten(), legacy.float().flatten(),
-                                          dim=0).item()
-                rows.append(TapRow(
-                    k, name, r.consumer if r else "(no rewrite recorded)",
-                    r.stream if r else args.stream, r.how() if r else "?", err, reference,
-                    cos, err <= tol))
-            if model.is_last:
-                output_err = (out.float() - ref_out.float()).abs().max().item()
-            inputs, ref_inputs = out, ref_out
-
-    print(_table(rows, tol))
-    if args.stream == "prefix":
-        print("(prefix stream: taps compared with the eager model's running prefix value, "
-              "not with the AttnRes ground truth)")
-    breaks = sum(counters["graph_break"].values())
-    print(f"model output: max abs err {output_err:.2e} vs eager")
-    print(f"graph breaks: {breaks}")
-    print(f"recompiles: {recompiles} (each stage called twice with the same inputs)")
-    per_stage = ", ".join(f"{n}: {t:.1f} s" for n, t in times)
-    print(f"compile time: {sum(t for _, t in times):.1f} s (first call, one run included; "
-          f"{per_stage})")
-
+            outs = _stage(args, cfg, start, end, inputs, ref_inputs, tol, found)
+            if outs is None:
+                return 1
+            inputs, ref_inputs = outs
+    _print_results(args, found, tol)
     if args.show_graph:
-        for name, recorder in recorders:
-            for i, g in enumerate(recorder.graphs):
-                part = f" graph {i}" if len(recorder.graphs) > 1 else ""
-                print(f"\npost-pass graph of stage {name}{part} (skeleton view):")
-                print(g.text("skeleton"), end="")
+        for label, g in found.graphs():
+            print(f"\npost-pass graph of {label} (skeleton view):")
+            print(g.text("skeleton"), end="")
     if args.dump:
         files = pass_dumps(args.dump)
         print(f"\ndepyf dump in {args.dump}: {len(files)} pass graph file(s)")
         for f in files:
             print(f"  {f.name}")
-    if args.svg:
-        graphs = {}
-        for name, recorder in recorders:
-            for i, g in enumerate(recorder.graphs):
-                part = f" graph {i}" if len(recorder.graphs) > 1 else ""
-                if g.before is not None:
-                    graphs[f"stage {name}{part}: before"] = (g.before, g.names)
-                    # set with before: after_passes follows before_passes
-                    graphs[f"stage {name}{part}: after"] = (cast("torch.fx.Graph", g.after),
-                                                             g.names)
-        dot = graph_dot(graphs)
-        done = subprocess.run(["dot", "-Tsvg", "-o", args.svg], input=dot, text=True,
-                              capture_output=True)
-        if done.returncode != 0:
-            print(f"kimi-passes: dot failed: {done.stderr.strip()}", file=sys.stderr)
-            return 2
-        print(f"\nwrote {args.svg} (kimi region before and after the pass)")
-
-    bad = [r for r in rows if not r.ok]
+    if args.svg and _write_svg(args.svg, found) != 0:
+        return 2
+    bad = [r for r in found.rows if not r.ok]
     if bad:
-        print(f"result: {len(bad)} of {len(rows)} taps DISAGREE (capture ids "
+        print(f"result: {len(bad)} of {len(found.rows)} taps DISAGREE (capture ids "
               f"{[r.capture_id for r in bad]}; tolerance {tol:g} for {args.dtype})")
         return 1
-    print(f"result: all {len(rows)} taps agree (tolerance {tol:g} for {args.dtype})")
+    print(f"result: all {len(found.rows)} taps agree (tolerance {tol:g} for {args.dtype})")
+    return 0
+
+
+def _stage(args, cfg, start: int, end: int, inputs, ref_inputs, tol: float, found: _Stages):
+    """Compile, run and check layers ``[start, end)``; the next stage's (compiled, eager)
+    inputs, or None when the pass refused a tap (the error printed)."""
+    import torch.nn.functional as F
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    from kimi_passes import AuxCaptureError, make_kimi_backend
+    from kimi_passes.debug.recording import GraphRecorder
+    from kimi_passes.graphs import K3Model
+
+    name = f"[{start}, {end})"
+    model = K3Model(cfg, start, end)
+    inductor = {"fallback_by_default": True} if args.aten_fallback else {}
+    recorder = GraphRecorder(make_kimi_backend(aux_stream=args.stream,
+                                               fuse_capture=not args.no_fuse, **inductor))
+    found.recorders.append((name, recorder))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=recorder)
+    t0 = time.perf_counter()
+    try:
+        out, taps = compiled(*inputs)
+    except (AuxCaptureError, BackendCompilerFailed) as e:
+        error = getattr(e, "inner_exception", e)
+        if isinstance(error, AuxCaptureError):
+            print(f"kimi-passes: stage {name}: the aux-stream pass refused the "
+                  f"compile:\nAuxCaptureError: {error}", file=sys.stderr)
+            return None
+        raise
+    found.times.append((name, time.perf_counter() - t0))
+    compiled_graphs = len(recorder.graphs)
+    compiled(*inputs)  # the same call again: served without recompiling
+    found.recompiles += len(recorder.graphs) - compiled_graphs
+
+    ref_out, prefix_taps = model(*ref_inputs)
+    if args.stream == "attn_res":
+        truth, reference = model.ground_truth(*ref_inputs)[1], "ground truth"
+    else:
+        truth, reference = prefix_taps, "eager prefix"
+    rewrites = {r.capture_id: r for g in recorder.graphs for r in g.rewrites}
+    for k, got, want, legacy in zip(model.capture_ids, taps, truth, prefix_taps, strict=True):
+        r = rewrites.get(k)
+        err = (got.float() - want.float()).abs().max().item()
+        cos = F.cosine_similarity(got.float().flatten(), legacy.float().flatten(), dim=0).item()
+        found.rows.append(TapRow(
+            k, name, r.consumer if r else "(no rewrite recorded)",
+            r.stream if r else args.stream, r.how() if r else "?", err, reference, cos,
+            err <= tol))
+    if model.is_last:
+        found.output_err = (out.float() - ref_out.float()).abs().max().item()
+    return out, ref_out
+
+
+def _print_results(args, found: _Stages, tol: float) -> None:
+    from torch._dynamo.utils import counters
+
+    print(_table(found.rows, tol))
+    if args.stream == "prefix":
+        print("(prefix stream: taps compared with the eager model's running prefix value, "
+              "not with the AttnRes ground truth)")
+    breaks = sum(counters["graph_break"].values())
+    print(f"model output: max abs err {found.output_err:.2e} vs eager")
+    print(f"graph breaks: {breaks}")
+    print(f"recompiles: {found.recompiles} (each stage called twice with the same inputs)")
+    per_stage = ", ".join(f"{n}: {t:.1f} s" for n, t in found.times)
+    print(f"compile time: {sum(t for _, t in found.times):.1f} s (first call, one run "
+          f"included; {per_stage})")
+
+
+def _write_svg(path: str, found: _Stages) -> int:
+    """Draw each stage's kimi region before and after the pass into ``path`` (0: written)."""
+    from kimi_passes.debug.graph_text import graph_dot
+
+    graphs = {}
+    for label, g in found.graphs():
+        if g.before is not None:
+            graphs[f"{label}: before"] = (g.before, g.names)
+            # set with before: after_passes follows before_passes
+            graphs[f"{label}: after"] = (cast("torch.fx.Graph", g.after), g.names)
+    done = subprocess.run(["dot", "-Tsvg", "-o", path], input=graph_dot(graphs), text=True,
+                          capture_output=True)
+    if done.returncode != 0:
+        print(f"kimi-passes: dot failed: {done.stderr.strip()}", file=sys.stderr)
+        return 2
+    print(f"\nwrote {path} (kimi region before and after the pass)")
     return 0
 
 

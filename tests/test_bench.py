@@ -92,3 +92,36 @@ def test_linear_fit_and_summary():
     assert abs(fit["r2"] - 1) < 1e-12
     s = bench.summary([3.0, 1.0, 2.0])
     assert (s["min"], s["median"], s["max"], s["n"]) == (1.0, 2.0, 3.0, 3)
+
+
+#: ``bench <subcommand>`` at a tiny size, and a line its table prints.
+SUBCOMMAND_RUNS = {
+    "cpu-op": (["--T", "8", "--H", "64", "--NB", "3", "--num-blocks", "2", "--budget", "0",
+                "--min-reps", "2", "--threads", "1"], "worst ratio:"),
+    "call-cost": (["--T", "1", "--H", "64", "--blocks", "2", "--rounds", "2", "--block-ms",
+                   "1"], "| attn_res_mix | 1 |"),
+    "decode": (["--models", "site", "--T", "1", "--rounds", "2", "--block-ms", "1", "--no-ops"],
+               "site      T=1"),
+    "fusion": (["--model", "site", "--site-tokens", "8", "--site-hidden", "64", "--rounds", "2",
+                "--min-run-time", "0.001", "--threads", "1"], "(1 mixing sites fused)"),
+}
+
+
+@pytest.mark.usefixtures("aten_fallback")  # the subcommands' own code, not Inductor's codegen
+@pytest.mark.parametrize("name", sorted(SUBCOMMAND_RUNS))
+def test_subcommand_runs_at_a_tiny_size(name, capsys):
+    argv, line = SUBCOMMAND_RUNS[name]
+    n = torch.get_num_threads()
+    try:
+        assert bench.main([name, *argv]) == 0
+    finally:
+        torch.set_num_threads(n)  # the subcommands set the process's threads
+    assert line in capsys.readouterr().out
+
+
+def test_help_lists_the_subcommands(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert all(f"  {name} " in out for name in bench.SUBCOMMANDS), out

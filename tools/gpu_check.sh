@@ -31,7 +31,7 @@
 #      takes the decode path (ops/triton_decode.py) up to T=64 and is timed beside the row
 #      kernel forced at the same T (`triton-row`, "op x row-route"): the switch point's check
 #   5b. whole compiled steps on CUDA: the reference K3 (L=8, H=512) at T = 1, 8, 64 under
-#      kimi_backend against plain Inductor (python -m kimi_passes.bench.decode --device cuda)
+#      kimi_backend against plain Inductor (python -m kimi_passes bench decode --device cuda)
 #   5c. vLLM's own K3 forward (its installed NVIDIA code, tests/vllm_k3_harness.py's
 #      stand-ins for attention and MoE) at H=7168, 6 layers, T = 1, 8, 256, bf16: vLLM's
 #      attn_res (Triton; torch.ops._C.kimi_k3_attn_res where vLLM takes it) with
@@ -154,7 +154,7 @@ step "op bench: decode sweep T=1,8,64,256 H=7168 nb=8 bf16 (full) vs row route, 
     bench --only op --T 1 8 64 256 --H 7168 --blocks 8 --dtypes bfloat16 --variants full \
     --out "$RESULTS/op_decode.json" --text "$RESULTS/op_decode.txt"
 step "whole K3 step on CUDA, T=1,8,64: kimi_backend vs plain Inductor" 120 \
-    bash -c '"$PY" -m kimi_passes.bench.decode --device cuda --models k3 --T 1 8 64 \
+    bash -c '"$PY" -m kimi_passes bench decode --device cuda --models k3 --T 1 8 64 \
         --rounds 7 --block-ms 20 | tee "$RESULTS/decode_cuda.txt"'
 step "vLLM K3 forward: vLLM's attn_res flag off / on / on compiled vs the kimi pass" 120 \
     "$PY" "$REPO/tools/vllm_k3_gpu.py" --T 1 8 256 --json "$RESULTS/vllm_k3.json"

@@ -1,7 +1,8 @@
-"""Eager call time of the CPU kimi ops at decode sizes, against the plain-torch statement.
+"""``bench call-cost``: eager call time of the CPU kimi ops at decode sizes, against the
+plain-torch statement.
 
 What a model pays per mixing site when it calls ``torch.ops.kimi`` without compiling (or a
-compiled graph that still calls an op). Per shape, one ``CpuTimer`` run (interleaved
+compiled graph that still calls an op). Per shape, one ``Timer`` run (interleaved
 rounds, 1 thread by default) of:
 
 - ``op``: the op as shipped (``Library`` registration, the C kernel where it serves);
@@ -14,11 +15,12 @@ rounds, 1 thread by default) of:
 - ``plain``: the statement a user writes in plain torch, eagerly, in the input dtype
   (``bench/op.py: plain_torch``; for ``attn_res_mix`` its pure-mixture part).
 
-Outputs are checked against ``plain`` first. Reported: the median time per call and, per
-round, plain / candidate (> 1: faster than the plain statement), median and IQR. Run::
+Outputs are checked against ``plain`` first (``max err``: ``harness.rel_err``). Reported:
+the median time per call and, per round, plain / candidate (> 1: faster than the plain
+statement), median and IQR. Run::
 
-    python -m kimi_passes.bench.call_cost                  # T = 1, 8, 64; H=512, 4 blocks
-    python -m kimi_passes.bench.call_cost --T 1 8 --H 7168 --blocks 8 --dtype bfloat16
+    python -m kimi_passes bench call-cost                  # T = 1, 8, 64; H=512, 4 blocks
+    python -m kimi_passes bench call-cost --T 1 8 --H 7168 --blocks 8 --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import argparse
 import torch
 
 import kimi_passes  # noqa: F401  (registers torch.ops.kimi.*)
-from kimi_passes.bench.harness import CpuTimer, ratio_summary, summary
+from kimi_passes.bench.harness import PROG, Timer, ratio_summary, rel_err, summary
 from kimi_passes.bench.op import make_op_args, plain_torch
 from kimi_passes.ops import cpu_native
 from kimi_passes.ops.attn_res_args import AttnResArgs, MixArgs, record_signature
@@ -65,10 +67,10 @@ def _torch_path(fn):
     return call
 
 
-def candidates(op: str, args: list) -> dict:
+def candidates(op: str, args: AttnResArgs) -> dict:
     """name -> zero-argument call, for ``op`` in {"attn_res_mix", "attn_res"}."""
     if op == "attn_res_mix":
-        mix = MixArgs.part_of(AttnResArgs(*args))
+        mix = MixArgs.part_of(args)
         pure = AttnResArgs.mix(*mix)  # the plain statement's arguments
         fns = {"op": torch.ops.kimi.attn_res_mix, "custom_op": torch.ops.kimi_bench.attn_res_mix}
         return {**{k: (lambda f=f: f(*mix)) for k, f in fns.items()},
@@ -81,25 +83,24 @@ def candidates(op: str, args: list) -> dict:
             "plain": lambda: plain_torch(*args)}
 
 
-def check(cands: dict, args: list) -> float:
-    """Max |candidate - plain| / max |plain| over the candidates, each from the same
-    ``args`` (restored after every call: the full variant updates prefix and blocks)."""
-    saved = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+def check(cands: dict, args: AttnResArgs) -> float:
+    """The largest ``rel_err`` of a candidate against ``plain``, each from the same ``args``
+    (restored after every call: the full variant updates prefix and blocks)."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    saved = [t.clone() for t in tensors]
 
     def run(fn):
-        out = fn().float()
-        for a, s in zip(args, saved, strict=True):
-            if isinstance(a, torch.Tensor):
-                a.copy_(s)
+        out = fn()
+        for t, s in zip(tensors, saved, strict=True):
+            t.copy_(s)
         return out
 
     want = run(cands["plain"])
-    return max(((run(fn) - want).abs().max() / want.abs().max()).item()
-               for name, fn in cands.items() if name != "plain")
+    return max(rel_err(run(fn), want) for name, fn in cands.items() if name != "plain")
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog=f"{PROG} call-cost", description=__doc__.splitlines()[0])
     ap.add_argument("--T", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--H", type=int, default=512)
     ap.add_argument("--blocks", type=int, default=4, help="bank slots mixed (num_blocks)")
@@ -110,14 +111,14 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     dtype = getattr(torch, a.dtype)
-    timer = CpuTimer(rounds=a.rounds, block_s=a.block_ms / 1e3, threads=a.threads)
+    timer = Timer(a.rounds, block_s=a.block_ms / 1e3, threads=a.threads)
     print(f"torch {torch.__version__}, {a.threads} thread(s), H={a.H}, {a.blocks} blocks, "
           f"{a.dtype}; us per call, median; ratio = t(plain) / t(x), median [IQR]")
     print("| op | T | plain | op | ratio | op-torch | ratio | custom_op | ratio | max err |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for op in ("attn_res_mix", "attn_res"):
         for T in a.T:
-            variant = "full" if op == "attn_res" else "pure"
+            variant = "full" if op == "attn_res" else "read"
             args = make_op_args(T, a.H, a.blocks, dtype, variant, "cpu")
             cands = candidates(op, args)
             err = check(cands, args)
@@ -129,7 +130,4 @@ def main(argv=None) -> None:
                 row += [f"{summary(t[name])['median'] * 1e6:.1f}",
                         f"{r['median']:.2f}x [{r['q1']:.2f}, {r['q3']:.2f}]"]
             print("| " + " | ".join(row + [f"{err:.1e}"]) + " |", flush=True)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -11,7 +11,6 @@ are the two ways the sections use it.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import time
 from dataclasses import replace
@@ -20,6 +19,7 @@ from typing import Any
 import torch
 
 from kimi_passes.bench.harness import k3_input, linear_fit
+from kimi_passes.debug.recording import graph_caches_off
 
 # ----------------------------------------------------------------------------- K3 models
 
@@ -43,26 +43,6 @@ def k3_depth(L: int):
 
 class _Abort(Exception):
     """Raised by the timing pass manager to stop a compile right after the passes."""
-
-
-@contextlib.contextmanager
-def _cold():
-    """No cache of any kind: every compile lowers and builds its kernels from scratch."""
-    with torch._inductor.config.patch(force_disable_caches=True):
-        yield
-
-
-@contextlib.contextmanager
-def _no_graph_caches():
-    """FX graph and AOT caches off, so the post-grad passes run (kernel caches stay on)."""
-    patches = {"fx_graph_cache": False}
-    with torch._inductor.config.patch(patches):
-        fc = torch._functorch.config
-        if hasattr(fc, "enable_autograd_cache"):
-            with fc.patch(enable_autograd_cache=False):
-                yield
-        else:
-            yield
 
 
 def _timed_backend(aux_stream="attn_res", abort=False, keep_graph=True):
@@ -109,7 +89,8 @@ def cold_compile(k3, T, device) -> dict:
     ids = k3_input(k3, T, device)
     fn, backend, rec = _timed_backend()
     cm = torch.compile(model, backend=fn)
-    with _cold(), torch.no_grad():
+    # No cache of any kind: every compile lowers and builds its kernels from scratch.
+    with torch._inductor.config.patch(force_disable_caches=True), torch.no_grad():
         t0 = time.perf_counter()
         cm(ids)
         if device.type == "cuda":
@@ -131,7 +112,7 @@ def capture_graph(k3, T, device):
     ids = k3_input(k3, T, device)
     fn, _, rec = _timed_backend(abort=True)
     cm = torch.compile(model, backend=fn)
-    with _no_graph_caches(), torch.no_grad():
+    with graph_caches_off(), torch.no_grad():  # the post-grad passes run
         try:
             cm(ids)
         except Exception as e:  # noqa: BLE001 - the abort surfaces wrapped by Dynamo/Inductor

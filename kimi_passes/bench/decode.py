@@ -1,51 +1,26 @@
-"""Whole models at decode and prefill sizes: kimi_backend against plain Inductor, CPU.
+"""``bench decode``: whole models at decode and prefill sizes, kimi_backend vs plain Inductor.
 
-Serving is mostly decode (a DFlash / EAGLE3 target runs 1 to a few dozen tokens a step),
-so every row is measured at T = 1, 8, 64, 256 and 1024. Per model and T, in one process,
-compiled with ``fullgraph=True``: ``backend="inductor"`` (the baseline), ``kimi_backend``
-as shipped (``kimi``: the kimi ops lowered to generated code on CPU) and
-``make_kimi_backend(lower_kimi_ops=False)`` (``kimi-ops``: every mixing site a kimi op
-call, as a graph that keeps the ops runs). Timed with ``CpuTimer``: interleaved
-rounds, 1 thread; a ratio is t(plain Inductor) / t(candidate) per round (> 1: the
-candidate is faster), reported as the median and the interquartile range over rounds.
-Outputs are checked against plain Inductor's first.
+Serving is mostly decode (a DFlash / EAGLE3 target runs 1 to a few dozen tokens a step), so
+every row is measured at T = 1, 8, 64, 256 and 1024. Per model and T, compiled with
+``fullgraph=True``: ``backend="inductor"`` (the baseline), ``kimi_backend`` as shipped
+(``kimi``: the kimi ops lowered to generated code on CPU) and
+``make_kimi_backend(lower_kimi_ops=False)`` (``kimi-ops``: every mixing site a kimi op call).
+Timed with ``Timer`` (interleaved rounds, 1 thread); a ratio is t(plain Inductor) /
+t(candidate) per round (> 1: the candidate is faster), median [IQR]. Outputs are checked
+against plain Inductor's first (``rel_err``). Models (``models.py``, under ``no_grad``):
+``k3`` (the reference K3, L=8, H=512, S=2, plain-torch mixing), ``k3-op`` (``mixing="op"``
+under kimi_backend against ``mixing="torch"`` under Inductor), ``wiring`` (the K3 wiring,
+every sublayer ``x * sigmoid(x)``), ``site`` (one pure mixing site, H=1024), ``attn-res``
+(the ``attn-res`` package's Block AttnRes transformer, d=256, 8 layers; tokens as
+``[batch, seq]``) and ``stack`` (``WiredStack``, one row per ``--stacks`` spec).
 
-Models (inference, ``torch.no_grad()``):
+``--control`` adds plain Inductor compiled again: identical code's ratio on this machine.
+``--cpu-time`` samples process CPU time (a machine loaded past its cores); ``--dynamic``
+compiles one graph with a dynamic token dimension (as vLLM does); ``--device cuda`` runs on
+the GPU (a sample is a synchronised step, launches included). Run::
 
-- ``k3``: the reference K3 (``graphs/k3.py``, attention and MLP), L=8, H=512, S=2,
-  ``mixing="torch"`` (plain-torch AttnRes mixing; kimi_backend fuses every site);
-- ``k3-op``: ``K3Model(mixing="op")`` under kimi_backend against ``mixing="torch"`` under
-  plain Inductor (the same weights): what a model written with ``torch.ops.kimi`` costs;
-- ``wiring``: the K3 wiring with cheap elementwise sublayers (``x * sigmoid(x)`` in place of
-  attention and MLP), L=8, H=512, S=2: mixing-dominated, 17 sites;
-- ``site``: one mixing site, ``attn_res_torch``'s pure read over ``bank[:, :8]`` and a
-  prefix, H=1024;
-- ``attn-res``: the ``attn-res`` package's Block AttnRes transformer, d=256, 8 layers
-  (its tokens as ``[batch, seq]``: decode [8, 1], [1, 16], prefill [1, 512]);
-- ``stack``: plain-torch K3-wired stacks as a new user writes them (``WiredStack``: each
-  site stacks its sources, ``F.rms_norm``s the keys with a weight, dots them with a query
-  vector, softmax over depth, weighted sum), one row per ``--stacks`` spec
-  ``L<layers>-H<hidden>-S<block>-<sublayer>-<dtype>`` (sublayer ``tanh``, ``silu`` or
-  ``linear``, an ``H x H`` matmul then tanh; dtype ``float32`` or ``bfloat16``).
-
-``--control`` adds plain Inductor compiled a second time (``control``: the same generated
-code under a backend of its own): its ratio is what identical code measures against
-itself on this machine, in the same rounds, so a row's ratio can be read against it.
-
-``--cpu-time`` times samples in process CPU time rather than wall time: on a machine
-loaded past its cores, wall-time samples hold the neighbours' time slices (the control
-then reads anywhere from 0.15x to 9x), CPU time does not. ``--no-ops`` leaves out
-``kimi-ops``.
-
-``--dynamic``: one graph compiled with a dynamic token dimension serves every T (as vLLM
-compiles it); default: one static graph per T. ``--device cuda`` runs the models on the
-GPU (a sample is a synchronised step: wall time, launches included; ``kimi`` and
-``kimi-ops`` are the same graph there, the lowering being CPU-only), as
-tools/gpu_check.sh does. Run::
-
-    python -m kimi_passes.bench.decode                       # every model, static shapes
-    python -m kimi_passes.bench.decode --dynamic --models k3,wiring
-    python tools/bench_decode.py --T 1 8                     # the same entry point
+    python -m kimi_passes bench decode                       # every model, static shapes
+    python -m kimi_passes bench decode --dynamic --models k3,wiring
 """
 
 from __future__ import annotations
@@ -57,9 +32,17 @@ from collections.abc import Callable
 import torch
 
 from kimi_passes.backend import make_kimi_backend
-from kimi_passes.bench.fusion import first_tensor, wiring_only
-from kimi_passes.bench.harness import CpuTimer, ratio_summary, summary
-from kimi_passes.graphs.k3 import K3Config, K3Model, attn_res_torch
+from kimi_passes.bench.harness import PROG, Timer, ratio_summary, rel_err, summary
+from kimi_passes.bench.models import (
+    Site,
+    WiredStack,
+    attn_res_transformer,
+    first_tensor,
+    k3_config,
+    parse_stack,
+    wiring_only,
+)
+from kimi_passes.graphs.k3 import K3Model
 
 TOKENS = (1, 8, 64, 256, 1024)
 ATTN_RES_SHAPES = ((8, 1), (1, 16), (1, 512))
@@ -68,101 +51,9 @@ STACKS = ("L8-H512-S2-tanh-float32", "L8-H256-S2-tanh-bfloat16", "L4-H2048-S2-si
           "L12-H1024-S4-linear-bfloat16")
 
 
-def _k3_config() -> K3Config:
-    return K3Config(num_layers=8, hidden_size=512, attn_res_block_size=2, num_heads=8,
-                    intermediate_size=1024, vocab_size=1024, aux_layer_ids=(2, 4, 8))
-
-
 def k3(mixing: str, cheap: bool = False) -> K3Model:
-    model = K3Model(_k3_config(), mixing=mixing).eval()
+    model = K3Model(k3_config(), mixing=mixing).eval()
     return wiring_only(model) if cheap else model
-
-
-class Site(torch.nn.Module):
-    """One pure mixing site in plain torch: ``bank[:, :8]`` and a prefix, H=1024."""
-
-    def __init__(self, H: int = 1024):
-        super().__init__()
-        g = torch.Generator().manual_seed(0)
-        self.norm_weight = torch.nn.Parameter(1 + 0.1 * torch.randn(H, generator=g))
-        self.qk_weight = torch.nn.Parameter(torch.randn(H, generator=g) / H ** 0.5)
-
-    def forward(self, prefix, bank):
-        return attn_res_torch(prefix, None, bank, self.norm_weight, self.qk_weight, None, 8,
-                              -1, 1e-6, 1e-6)
-
-
-class WiredStack(torch.nn.Module):
-    """A plain-torch K3-wired stack: ``L`` layers of two sublayers, a block every ``S``
-    layers; every sublayer and the output read a mixture of the completed blocks and the
-    block in progress (docs/design.md section 2), written as a new user writes it."""
-
-    SUBLAYERS = ("tanh", "silu", "linear")
-
-    def __init__(self, L: int, H: int, S: int, sublayer: str, dtype: torch.dtype):
-        super().__init__()
-        if sublayer not in self.SUBLAYERS:
-            raise ValueError(f"WiredStack: sublayer {sublayer!r}; choose from {self.SUBLAYERS}")
-        g = torch.Generator().manual_seed(0)
-        n = 2 * L + 1
-        self.L, self.S, self.sublayer = L, S, sublayer
-        self.norm = torch.nn.Parameter(1 + 0.1 * torch.randn(n, H, generator=g))
-        self.query = torch.nn.Parameter(torch.randn(n, H, generator=g) / H ** 0.5)
-        self.scale = torch.nn.Parameter(torch.randn(2 * L, H, generator=g))
-        self.proj = (torch.nn.Parameter(torch.randn(2 * L, H, H, generator=g) / H ** 0.5)
-                     if sublayer == "linear" else None)
-        self.to(dtype)
-
-    def mix(self, sources: list[torch.Tensor], i: int) -> torch.Tensor:
-        v = torch.stack(sources)  # [n, T, H]
-        keys = torch.nn.functional.rms_norm(v, (v.shape[-1],), self.norm[i], 1e-6)
-        p = (keys * self.query[i]).sum(-1).softmax(0)
-        return (p.unsqueeze(-1) * v).sum(0)
-
-    def sub(self, h: torch.Tensor, i: int) -> torch.Tensor:
-        if self.proj is not None:
-            return torch.tanh(h @ self.proj[i])
-        h = h * self.scale[i]
-        return torch.tanh(h) if self.sublayer == "tanh" else torch.nn.functional.silu(h)
-
-    def forward(self, x):
-        blocks, partial, i = [x], None, 0
-        for layer in range(self.L):
-            for _ in range(2):
-                out = self.sub(self.mix(blocks + ([] if partial is None else [partial]), i), i)
-                partial = out if partial is None else partial + out
-                i += 1
-            if (layer + 1) % self.S == 0:
-                blocks.append(partial)
-                partial = None
-        return self.mix(blocks + ([] if partial is None else [partial]), i)
-
-
-def parse_stack(spec: str) -> tuple[int, int, int, str, torch.dtype]:
-    """``L8-H512-S2-tanh-float32`` -> (8, 512, 2, "tanh", torch.float32)."""
-    try:
-        L, H, S, sublayer, dtype = spec.split("-")
-        if (L[0], H[0], S[0]) != ("L", "H", "S"):
-            raise ValueError
-        return int(L[1:]), int(H[1:]), int(S[1:]), sublayer, getattr(torch, dtype)
-    except (ValueError, AttributeError, IndexError):
-        raise ValueError(f"stack spec {spec!r}: write L<layers>-H<hidden>-S<block>-"
-                         "<sublayer>-<dtype>, e.g. L8-H512-S2-tanh-float32") from None
-
-
-def attn_res_package(d: int = 256, layers: int = 8):
-    from attn_res import AttnResMode, AttnResOperator, AttnResTransformer, TransformerConfig
-
-    cfg = TransformerConfig(d_model=d, n_layers=layers, n_heads=8, n_kv_heads=2,
-                            vocab_size=1024, max_seq_len=2048, n_blocks=4,
-                            attn_res_mode=AttnResMode.BLOCK)
-    torch.manual_seed(0)
-    model = AttnResTransformer(cfg).eval()
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, AttnResOperator):
-                m.pseudo_query.normal_()
-    return model
 
 
 def cases(names, tokens, device="cpu", stacks=STACKS):
@@ -184,7 +75,7 @@ def _cases(names, tokens, stacks):
                     yield f"stack {spec}", f"T={T}", model, model, (x,)
             continue
         if name == "attn-res":
-            model = attn_res_package()
+            model = attn_res_transformer()
             for b, s in ATTN_RES_SHAPES:
                 ids = torch.randint(0, 1024, (b, s), generator=g)
                 yield name, f"[{b}, {s}]", model, model, (ids,)
@@ -217,7 +108,7 @@ def _inductor_again(gm, example_inputs):
     return compile_fx(gm, example_inputs)
 
 
-def run(names, tokens, dynamic: bool, timer: CpuTimer, out=sys.stdout,
+def run(names, tokens, dynamic: bool, timer: Timer, out=sys.stdout,
         device: str = "cpu", control: bool = False, stacks=STACKS,
         ops: bool = True) -> list[dict]:
     rows = []
@@ -244,12 +135,10 @@ def run(names, tokens, dynamic: bool, timer: CpuTimer, out=sys.stdout,
         with torch.no_grad():
             want = first_tensor(fns["inductor"](*inputs))
             for k in backends:
-                got = first_tensor(fns[k](*inputs))
-                err = float((got.float() - want.float()).abs().max())
-                scale = float(want.float().abs().max()) or 1.0
-                if err > (1e-3 if want.dtype == torch.float32 else 2e-2) * scale:
+                err = rel_err(first_tensor(fns[k](*inputs)), want)
+                if err > (1e-3 if want.dtype == torch.float32 else 2e-2):
                     raise AssertionError(f"{name} {shape}: {k} disagrees with plain Inductor "
-                                         f"(max abs error {err:.3g}, scale {scale:.3g})")
+                                         f"(max abs error / max abs {err:.3g})")
             samples = timer.run({k: _step(f, inputs, device) for k, f in fns.items()})
         row = {"model": name, "shape": shape, "dynamic": dynamic,
                "ms": {k: summary(v)["median"] * 1e3 for k, v in samples.items()},
@@ -281,7 +170,7 @@ def _fmt(s: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog=f"{PROG} decode", description=__doc__.splitlines()[0])
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--T", type=int, nargs="+", default=list(TOKENS))
     p.add_argument("--stacks", nargs="+", default=list(STACKS),
@@ -303,8 +192,8 @@ def main(argv=None) -> int:
     bad = [m for m in names if m not in MODELS]
     if bad:
         p.error(f"unknown model(s) {bad}; choose from {list(MODELS)}")
-    timer = CpuTimer(rounds=a.rounds, block_s=a.block_ms / 1e3, threads=a.threads,
-                     cpu_time=a.cpu_time)
+    timer = Timer(a.rounds, "cpu" if a.cpu_time else "wall", block_s=a.block_ms / 1e3,
+                  threads=a.threads)
     print(f"torch {torch.__version__}, {a.device}, {a.threads} thread(s), "
           f"{'dynamic' if a.dynamic else 'static'} shapes, "
           f"{'CPU' if a.cpu_time else 'wall'} time; ratio = t(plain Inductor) / t(x)")
@@ -316,7 +205,3 @@ def main(argv=None) -> int:
     run(names, a.T, a.dynamic, timer, device=a.device, control=a.control, stacks=a.stacks,
         ops=not a.no_ops)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,13 +1,13 @@
-"""The measuring harness: interleaved timers, the statistics every section reports, and the
-helpers more than one section uses (error, ratio and target records, the K3 input, Dynamo's
-recompile limits, the machine record).
+"""What every benchmark shares: the one timer, the statistics, the one error metric, the
+op's argument builder, and the run's records (targets, the machine, Dynamo's limits).
 
-CPU timings use ``torch.utils.benchmark.Timer``; CUDA timings use CUDA events around
-each call with the L2 cache flushed before it and the host given a head start (device
-time; ``op back-to-back`` adds the host-bound regime). Candidates are interleaved round
-by round (their order rotates) and reported as median with the interquartile range. On a
-shared or oversubscribed CPU use ``--threads 1``: OpenMP barriers across preempted
-threads turn sub-millisecond calls into scheduler quanta.
+``Timer`` interleaves its candidates round by round (their order rotated by one a round),
+with one of three clocks: ``wall`` / ``cpu`` (``torch.utils.benchmark`` samples of about
+``block_s`` seconds, in wall or process CPU time) or ``cuda`` (CUDA events around each call,
+the L2 flushed and the host given a head start: device time). Figures are medians with the
+interquartile range; a ratio is the summary of per-round ratios. On a shared CPU use
+``--threads 1``: OpenMP barriers across preempted threads turn short calls into scheduler
+quanta.
 """
 
 from __future__ import annotations
@@ -23,6 +23,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from kimi_passes.ops.attn_res_args import AttnResArgs
+
+#: The command line every benchmark runs under (``kimi_passes.bench.cli``).
+PROG = "python -m kimi_passes bench"
+EPS = 1e-6
 
 # ----------------------------------------------------------------------------- statistics
 
@@ -43,6 +49,13 @@ def ratio_summary(num: list[float], den: list[float]) -> dict:
     return summary([a / b for a, b in zip(num, den, strict=True)])
 
 
+def fmt_ratio(r) -> str:
+    """A ratio summary as ``median[q1-q3]`` (a dash when there is none)."""
+    if r is None:
+        return "     -     "
+    return f"{r['median']:5.2f}[{r['q1']:.2f}-{r['q3']:.2f}]"
+
+
 def linear_fit(xs: list[float], ys: list[float]) -> dict:
     n = len(xs)
     mx, my = sum(xs) / n, sum(ys) / n
@@ -56,119 +69,131 @@ def linear_fit(xs: list[float], ys: list[float]) -> dict:
     return {"slope": slope, "intercept": intercept, "r2": r2}
 
 
+def rel_err(got, want) -> float:
+    """Max abs error of ``got`` against ``want`` over the max abs of ``want`` (the absolute
+    error where ``want`` is all zeros), in float64: the formula the tests' tolerances are
+    stated in (tests/k3_helpers.py). Two Nones (an unused gradient) are 0."""
+    if got is None or want is None:
+        if (got is None) != (want is None):
+            raise ValueError("rel_err: a tensor is None on one side only (a gradient one "
+                             "backend computes and the other does not)")
+        return 0.0
+    got, want = got.detach().double(), want.detach().double()
+    err, scale = float((got - want).abs().max()), float(want.abs().max())
+    return err / scale if scale else err
+
+
 # ----------------------------------------------------------------------------- timing
 
 
-class CpuTimer:
-    """Interleaved CPU timing with ``torch.utils.benchmark.Timer``.
+class Timer:
+    """Interleaved timing: ``run({name: fn})`` is ``{name: [seconds per call, a round]}``.
 
-    Each candidate is warmed up, then calibrated to a sample of about ``block_s``
-    seconds (``number`` calls); every round takes one sample of each candidate, in
-    an order rotated by one per round, so drift and neighbours' load hit all alike.
-    """
-
-    def __init__(self, rounds: int, block_s: float, threads: int, max_s: float = 20.0,
-                 cpu_time: bool = False):
-        self.rounds, self.block_s, self.threads = rounds, block_s, threads
-        # The process's CPU time instead of wall time: on a machine loaded past its cores a
-        # wall-time sample holds whatever the scheduler gave the neighbours; CPU time does
-        # not (caches shared with them still do).
-        self.clock = time.process_time if cpu_time else time.perf_counter
-        # Fewer rounds (at least 3) when the slowest candidate would take longer than this.
-        self.max_s = max_s
-
-    def run(self, cands: dict[str, Callable[[], object]]) -> dict[str, list[float]]:
-        from torch.utils.benchmark import Timer
-
-        timers, numbers, estimates = {}, {}, {}
-        for name, fn in cands.items():
-            fn()  # warm-up: compiles, allocator, caches
-            timer = Timer("fn()", globals={"fn": fn}, num_threads=self.threads,
-                          timer=self.clock)
-            t1 = timer.timeit(1).mean
-            number = max(1, int(self.block_s / max(t1, 1e-9)))
-            if number > 1:  # re-estimate on a bigger sample: one call is too noisy
-                t1 = timer.timeit(min(number, 10)).mean
-                number = max(1, int(self.block_s / max(t1, 1e-9)))
-            timers[name], numbers[name] = timer, number
-            estimates[name] = t1 * number
-        samples: dict[str, list[float]] = {name: [] for name in cands}
-        order = list(cands)
-        rounds = min(self.rounds, max(3, int(self.max_s / max(estimates.values()))))
-        for r in range(rounds):
-            k = r % len(order)
-            for name in order[k:] + order[:k]:
-                samples[name].append(timers[name].timeit(numbers[name]).mean)
-        return samples
-
-
-class CudaTimer:
-    """Interleaved CUDA timing: CUDA events around each call, L2 flushed before it.
-
-    The times are device times: before each call the GPU is held busy (``_sleep``) long
-    enough for the host to enqueue the call, so Python and launch overhead are hidden
-    the way a CUDA graph hides them. ``host_time`` measures the other regime.
+    ``clock``: ``"wall"`` or ``"cpu"`` (each candidate warmed up, then calibrated to a
+    sample of about ``block_s`` seconds; fewer rounds, at least 3, when the slowest would
+    take longer than ``max_s``) or ``"cuda"`` (a sample is the median of ``reps`` calls,
+    each timed by CUDA events). Rounds go on past ``rounds`` until ``min_s`` seconds have
+    passed.
     """
 
     # ~0.5 ms at H200 clocks: longer than the host needs to launch any candidate here.
     SLEEP_CYCLES = 1_000_000
 
-    def __init__(self, rounds: int, reps: int, device):
-        self.rounds, self.reps, self.device = rounds, reps, device
-        # Bigger than any L2 (H200: 60 MiB), so every call starts cold like a real step.
-        self.flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    def __init__(self, rounds: int, clock: str = "wall", *, block_s: float = 0.04,
+                 threads: int = 1, max_s: float = 20.0, min_s: float = 0.0, reps: int = 10,
+                 device=None):
+        if clock not in ("wall", "cpu", "cuda"):
+            raise ValueError(f"Timer: clock {clock!r}; choose 'wall', 'cpu' or 'cuda'")
+        self.rounds, self.clock, self.block_s, self.threads = rounds, clock, block_s, threads
+        self.max_s, self.min_s, self.reps, self.device = max_s, min_s, reps, device
+        self._flush: torch.Tensor | None = None
+
+    def run(self, cands: dict[str, Callable[[], object]]) -> dict[str, list[float]]:
+        sample_of, estimates = {}, []
+        for name, fn in cands.items():
+            sample_of[name], estimate = (self._cuda(fn) if self.clock == "cuda"
+                                         else self._cpu(fn))
+            estimates.append(estimate)
+        rounds, slowest = self.rounds, max(estimates)
+        if slowest > 0 and self.max_s / slowest < rounds:
+            rounds = max(min(rounds, 3), int(self.max_s / slowest))
+        samples: dict[str, list[float]] = {name: [] for name in cands}
+        order, r, t_end = list(cands), 0, time.perf_counter() + self.min_s
+        while r < rounds or time.perf_counter() < t_end:
+            k = r % len(order)
+            for name in order[k:] + order[:k]:
+                samples[name].append(sample_of[name]())
+            r += 1
+        return samples
+
+    def _cpu(self, fn) -> tuple[Callable[[], float], float]:
+        """A sampler of ``fn`` (``number`` calls, seconds per call) and a sample's seconds."""
+        from torch.utils.benchmark import Timer as TorchTimer
+
+        fn()  # warm-up: compiles, allocator, caches
+        # Process CPU time on a machine loaded past its cores: a wall-time sample holds
+        # whatever the scheduler gave the neighbours (caches shared with them still do).
+        clock = time.process_time if self.clock == "cpu" else time.perf_counter
+        timer = TorchTimer("fn()", globals={"fn": fn}, num_threads=self.threads, timer=clock)
+        t1 = timer.timeit(1).mean
+        number = max(1, int(self.block_s / max(t1, 1e-9)))
+        if number > 1:  # re-estimate on a bigger sample: one call is too noisy
+            t1 = timer.timeit(min(number, 10)).mean
+            number = max(1, int(self.block_s / max(t1, 1e-9)))
+        return (lambda: timer.timeit(number).mean), t1 * number
+
+    def _cuda(self, fn) -> tuple[Callable[[], float], float]:
+        """A sampler of ``fn``'s device time: before each call the GPU is held busy
+        (``_sleep``) long enough for the host to enqueue it, so launch overhead is hidden
+        the way a CUDA graph hides it; the flush makes every call start cold."""
+        if self._flush is None:  # bigger than any L2 (H200: 60 MiB)
+            self._flush = torch.empty(256 << 20, dtype=torch.uint8, device=self.device)
+        flush = self._flush
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize(self.device)
+
+        def sample() -> float:
+            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                      for _ in range(self.reps)]
+            for start, end in events:
+                flush.zero_()
+                torch.cuda._sleep(self.SLEEP_CYCLES)
+                start.record()
+                fn()
+                end.record()
+            torch.cuda.synchronize(self.device)
+            return statistics.median(s.elapsed_time(e) * 1e-3 for s, e in events)
+
+        return sample, 0.0
 
     def host_time(self, fn) -> float:
         """Seconds per call back to back, synchronised per block: max(launch, device)."""
-        from torch.utils.benchmark import Timer
+        from torch.utils.benchmark import Timer as TorchTimer
 
-        return Timer("fn()", globals={"fn": fn}).blocked_autorange(min_run_time=0.2).median
-
-    def run(self, cands: dict[str, Callable[[], object]]) -> dict[str, list[float]]:
-        for fn in cands.values():
-            for _ in range(3):
-                fn()
-        torch.cuda.synchronize(self.device)
-        samples: dict[str, list[float]] = {name: [] for name in cands}
-        order = list(cands)
-        for r in range(self.rounds):
-            k = r % len(order)
-            for name in order[k:] + order[:k]:
-                fn = cands[name]
-                events = [(torch.cuda.Event(enable_timing=True),
-                           torch.cuda.Event(enable_timing=True)) for _ in range(self.reps)]
-                for start, end in events:
-                    self.flush.zero_()
-                    torch.cuda._sleep(self.SLEEP_CYCLES)
-                    start.record()
-                    fn()
-                    end.record()
-                torch.cuda.synchronize(self.device)
-                per_call = [s.elapsed_time(e) * 1e-3 for s, e in events]
-                samples[name].append(statistics.median(per_call))
-        return samples
+        return TorchTimer("fn()", globals={"fn": fn}).blocked_autorange(min_run_time=0.2).median
 
 
-# ----------------------------------------------------------------------------- shared
+# ----------------------------------------------------------------------------- inputs
 
 
-def rel_err(out, ref) -> float:
-    """Max abs error of ``out`` against ``ref``, relative to max(|ref|, 1), in fp32."""
-    ref = ref.float()
-    return float((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1.0))
+def op_args(T: int, H: int, nb: int, *, dtype=torch.float32, device="cpu",
+            slots: int | None = None, delta: float | None = None, write: int = -1,
+            output_norm: bool = False, eps: float = EPS, seed: int = 0) -> AttnResArgs:
+    """Seeded ``kimi::attn_res`` arguments: ``[T, H]`` sources, a bank of ``slots`` slots
+    (default ``nb + 1``: room for a block write), ``delta`` the delta's scale (None: no
+    delta), RMSNorm weights near 1 and a query of scale ``2 / sqrt(H)``."""
+    g = torch.Generator().manual_seed(seed)
 
+    def rnd(*shape, scale=1.0, shift=0.0):
+        return (torch.randn(*shape, generator=g) * scale + shift).to(dtype=dtype, device=device)
 
-def fmt_ratio(r) -> str:
-    """A ratio summary as ``median[q1-q3]`` (a dash when there is none)."""
-    if r is None:
-        return "     -     "
-    return f"{r['median']:5.2f}[{r['q1']:.2f}-{r['q3']:.2f}]"
-
-
-def target(name, value, bound, how) -> dict:
-    """The record of a target: ``value`` against ``bound`` with ``how`` (<=, < or >=)."""
-    met = value <= bound if how == "<=" else (value < bound if how == "<" else value >= bound)
-    return {"target": f"{name} {how} {bound}", "value": value, "met": bool(met)}
+    return AttnResArgs(
+        prefix=rnd(T, H), delta=None if delta is None else rnd(T, H, scale=delta),
+        blocks=rnd(T, nb + 1 if slots is None else slots, H),
+        norm_weight=rnd(H, scale=0.1, shift=1.0), qk_weight=rnd(H, scale=2.0 / H**0.5),
+        output_norm_weight=rnd(H, scale=0.1, shift=1.0) if output_norm else None,
+        num_blocks=nb, block_write_idx=write, eps=eps, output_norm_eps=eps)
 
 
 def k3_input(cfg, T, device):
@@ -177,18 +202,32 @@ def k3_input(cfg, T, device):
     return torch.randint(0, cfg.vocab_size, (T,), generator=g).to(device)
 
 
+# ----------------------------------------------------------------------------- the run
+
+
+def target(name, value, bound, how) -> dict:
+    """The record of a target: ``value`` against ``bound`` with ``how`` (<=, < or >=)."""
+    met = value <= bound if how == "<=" else (value < bound if how == "<" else value >= bound)
+    return {"target": f"{name} {how} {bound}", "value": value, "met": bool(met)}
+
+
 def set_limits():
     """Lift Dynamo's recompile limits: the op section compiles once per shape."""
     dc = torch._dynamo.config
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(dc, name):
-            setattr(dc, name, 1 << 20)
-    for name in ("accumulated_recompile_limit", "accumulated_cache_size_limit"):
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                 "accumulated_cache_size_limit"):
         if hasattr(dc, name):
             setattr(dc, name, 1 << 20)
 
 
-# ----------------------------------------------------------------------------- machine
+def load_warning(threads: int) -> str | None:
+    """A warning when the load average exceeds the CPUs and ``threads`` > 1, else None."""
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if threads > 1 and load > (os.cpu_count() or 1):
+        return (f"warning: load average {load:.1f} exceeds the {os.cpu_count()} CPUs and torch "
+                f"uses {threads} threads: OpenMP threads wait on the scheduler at every "
+                "parallel region and timings are noise; use --threads 1")
+    return None
 
 
 def machine_info(device) -> dict:
@@ -200,11 +239,8 @@ def machine_info(device) -> dict:
                 break
     info = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "platform": platform.platform(),
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(), "torch": torch.__version__,
+        "platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "device": str(device),

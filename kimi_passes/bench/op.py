@@ -32,14 +32,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kimi_passes.bench.harness import fmt_ratio, ratio_summary, rel_err, summary
+from kimi_passes.bench.harness import EPS, fmt_ratio, op_args, ratio_summary, rel_err, summary
+from kimi_passes.ops.attn_res_args import AttnResArgs
 
 VARIANTS = ("read", "full")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-EPS = 1e-6
 PEERS = ("vllm-k3", "flash-attn-res", "fast-attnres")
 # vLLM's K3 kernel, vendored into the checkout's tools/ (a benchmark peer, not packaged).
 VLLM_PEER = Path(__file__).resolve().parents[2] / "tools" / "vllm_k3_attn_res.py"
+
+#: A peer kernel's zero-argument call, or why it is not timed.
+Peer = Callable[[], object] | str
 
 # Target (docs/design.md section 5).
 TARGET_ROOFLINE = 0.90  # H200 headline shape, fraction of a same-bytes copy
@@ -62,21 +65,12 @@ def plain_torch(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weigh
     return out
 
 
-def make_op_args(T, H, nb, dtype, variant, device, seed=0):
-    """Positional ``kimi::attn_res`` args; the bank has ``nb + 1`` slots (the write slot)."""
-    g = torch.Generator().manual_seed(seed)
-
-    def rnd(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).to(dtype=dtype, device=device)
-
+def make_op_args(T, H, nb, dtype, variant, device, seed=0) -> AttnResArgs:
+    """``kimi::attn_res``'s arguments for ``variant``; the bank has ``nb + 1`` slots (the
+    write slot). ``full``'s delta is 1e-3 of the prefix: every timed call adds it again."""
     full = variant == "full"
-    prefix, blocks = rnd(T, H), rnd(T, nb + 1, H)
-    delta = rnd(T, H, scale=1e-3) if full else None
-    norm_weight = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype=dtype, device=device)
-    qk_weight = rnd(H, scale=2.0 / H**0.5)
-    onw = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype=dtype, device=device) if full else None
-    write = nb if full else -1
-    return [prefix, delta, blocks, norm_weight, qk_weight, onw, nb, write, EPS, EPS]
+    return op_args(T, H, nb, dtype=dtype, device=device, delta=1e-3 if full else None,
+                   write=nb if full else -1, output_norm=full, seed=seed)
 
 
 def op_bytes(T, H, nb, dtype, variant) -> int:
@@ -90,8 +84,8 @@ def op_bytes(T, H, nb, dtype, variant) -> int:
     return e * (T * H * rows + H * weights)
 
 
-def _clone_args(args):
-    return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+def _clone_args(args: AttnResArgs) -> AttnResArgs:
+    return AttnResArgs._make(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
 
 
 @functools.cache
@@ -105,12 +99,16 @@ def _vllm_peer():
     return peer
 
 
-def _peer_fns(args, variant, dtype, device):
+def _peer_fns(args: AttnResArgs, variant, dtype, device) -> dict[str, Peer]:
     """``{peer: fn or reason}``: vLLM's K3 kernel (every variant) and the PyPI peers' kernels
     (the ``read`` mixture)."""
-    prefix, _, blocks, norm_weight, qk_weight, _, nb, *_ = args
-    T, H = prefix.shape
-    found: dict[str, object] = {}
+    if device.type != "cuda":
+        vllm: Peer = "unsupported: CUDA only"
+    elif not VLLM_PEER.exists():
+        vllm = f"not found: {VLLM_PEER} (run from a checkout of kimi_passes)"
+    else:
+        peer = _vllm_peer()
+        vllm = lambda: peer.attn_res(*args)  # noqa: E731  (the op's signature, all variants)
     reasons = []
     if device.type != "cuda":
         reasons.append("CUDA only")
@@ -118,60 +116,50 @@ def _peer_fns(args, variant, dtype, device):
         reasons.append("computes the mixture only (no delta, block write or output norm)")
     if dtype != torch.bfloat16:
         reasons.append("bf16 only")
-    if device.type != "cuda":
-        found["vllm-k3"] = "unsupported: CUDA only"
-    elif not VLLM_PEER.exists():
-        found["vllm-k3"] = f"not found: {VLLM_PEER} (run from a checkout of kimi_passes)"
-    else:
-        peer = _vllm_peer()
-        found["vllm-k3"] = lambda: peer.attn_res(*args)  # the op's signature, all variants
-    query = (norm_weight.float() * qk_weight.float())  # RMSNorm weight folded into the query
+    # The RMSNorm weight folded into the query, in the peers' bf16.
+    query = (args.norm_weight.float() * args.qk_weight.float()).to(torch.bfloat16)
+    return {"vllm-k3": vllm, "flash-attn-res": _flash_attn_res(args, query, list(reasons)),
+            "fast-attnres": _fast_attnres(args, query, list(reasons))}
+
+
+def _flash_attn_res(args: AttnResArgs, query, why: list[str]) -> Peer:
     try:
         from flash_attn_res import (
             phase_1_batched_attention_triton_op,
             phase_2_online_softmax_merge_triton_op,
         )
     except Exception as e:  # noqa: BLE001 - any import failure means "not usable"
-        found["flash-attn-res"] = f"not installed ({type(e).__name__})"
-    else:
-        why = list(reasons)
-        if H & (H - 1):
-            why.append(f"hidden size must be a power of 2 (tl.arange), got {H}")
-        if nb < 1:
-            why.append("needs at least one completed block")
-        if why:
-            found["flash-attn-res"] = "unsupported: " + "; ".join(why)
-        else:
-            # Its layout is source-major [nb, B=1, T, H]: a copy made once, outside timing.
-            vals = blocks[:, :nb].permute(1, 0, 2).contiguous()[:, None]
-            pq = query.to(torch.bfloat16)[None]
-            pre = prefix[None]
+        return f"not installed ({type(e).__name__})"
+    H, nb = args.prefix.shape[1], args.num_blocks
+    if H & (H - 1):
+        why.append(f"hidden size must be a power of 2 (tl.arange), got {H}")
+    if nb < 1:
+        why.append("needs at least one completed block")
+    if why:
+        return "unsupported: " + "; ".join(why)
+    # Its layout is source-major [nb, B=1, T, H]: a copy made once, outside timing.
+    vals = args.blocks[:, :nb].permute(1, 0, 2).contiguous()[:, None]
+    pq, pre = query[None], args.prefix[None]
 
-            def flash_attn_res():
-                out1, lse1 = phase_1_batched_attention_triton_op(vals, pq, EPS)
-                return phase_2_online_softmax_merge_triton_op(pre, pq[0], out1[0], lse1[0],
-                                                              EPS)[0]
+    def flash_attn_res():
+        out1, lse1 = phase_1_batched_attention_triton_op(vals, pq, EPS)
+        return phase_2_online_softmax_merge_triton_op(pre, pq[0], out1[0], lse1[0], EPS)[0]
 
-            found["flash-attn-res"] = flash_attn_res
+    return flash_attn_res
+
+
+def _fast_attnres(args: AttnResArgs, query, why: list[str]) -> Peer:
     try:
         from attnres import attnres
     except Exception as e:  # noqa: BLE001
-        found["fast-attnres"] = f"not installed ({type(e).__name__})"
-    else:
-        why = list(reasons)
-        if H > 8192 or nb + 1 > 129:
-            why.append("envelope is H <= 8192 and <= 129 sources")
-        if why:
-            found["fast-attnres"] = "unsupported: " + "; ".join(why)
-        else:
-            sources = [blocks[:, j] for j in range(nb)] + [prefix]  # views, no copy
-            q = query.to(torch.bfloat16)
-
-            def fast_attnres():
-                return attnres(sources, q, eps=EPS)
-
-            found["fast-attnres"] = fast_attnres
-    return found
+        return f"not installed ({type(e).__name__})"
+    H, nb = args.prefix.shape[1], args.num_blocks
+    if H > 8192 or nb + 1 > 129:
+        why.append("envelope is H <= 8192 and <= 129 sources")
+    if why:
+        return "unsupported: " + "; ".join(why)
+    sources = [args.blocks[:, j] for j in range(nb)] + [args.prefix]  # views, no copy
+    return lambda: attnres(sources, query, eps=EPS)
 
 
 def _sweep(cfg) -> list[tuple]:
@@ -227,22 +215,18 @@ def bench_op(cfg, log) -> dict:
         args = make_op_args(T, H, nb, dtype, variant, device)
         nbytes = op_bytes(T, H, nb, dtype, variant)
         makers, notes = _op_factories(cfg, variant, dtype)
-        peers = {}
+        peers: dict[str, Callable[[], object]] = {}
         if cfg.peers and device.type == "cuda":
             for name, fn in _peer_fns(args, variant, dtype, device).items():
-                if callable(fn):
-                    peers[name] = fn
-                else:
+                if isinstance(fn, str):
                     notes[name] = fn
+                else:
+                    peers[name] = fn
         errors = {}
         if cfg.check:
-            errors = _check_op(makers, peers, args, notes)
-            for name in list(makers):
-                if name in notes:
-                    makers.pop(name)
-            for name in list(peers):
-                if name in notes:
-                    peers.pop(name)
+            errors = _check_op(makers, peers, args, notes)  # a failing one is in notes
+            makers = {k: v for k, v in makers.items() if k not in notes}
+            peers = {k: v for k, v in peers.items() if k not in notes}
         src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
         dst = torch.empty_like(src)
         # Every candidate shares ``args``: the in-place effects are idempotent enough
@@ -282,10 +266,9 @@ def _check_op(makers, peers, args, notes) -> dict:
     """
     from kimi_passes.ops import attn_res_reference
 
-    prefix, delta, blocks, *rest = args
-    n = min(prefix.shape[0], 256)
-    sliced = [prefix[:n].clone(), None if delta is None else delta[:n].clone(),
-              blocks[:n].clone(), *rest]
+    n = min(args.prefix.shape[0], 256)
+    sliced = args._replace(prefix=args.prefix[:n].clone(), blocks=args.blocks[:n].clone(),
+                           delta=None if args.delta is None else args.delta[:n].clone())
     with torch.no_grad():
         ref = attn_res_reference(*sliced)
     errors = {}

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from kimi_passes.bench.harness import ratio_summary, summary
+from kimi_passes.bench.harness import fmt_ratio, op_args, ratio_summary, summary
 from kimi_passes.graphs.k3 import fp8_per_token
 
 
@@ -31,13 +31,11 @@ def site(prefix, delta, bank, norm_weight, qk_weight, output_norm_weight, nb: in
 
 
 def site_inputs(T: int, H: int, nb: int, device, seed: int = 0) -> list:
-    g = torch.Generator().manual_seed(seed)
-
-    def rnd(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16).to(device)
-
-    return [rnd(T, H), rnd(T, H), rnd(T, nb + 1, H), 1 + 0.1 * rnd(H),
-            rnd(H, scale=2.0 / H**0.5), 1 + 0.1 * rnd(H)]
+    """``site``'s tensors: K3's pre-attention call (delta, output norm, no block write), bf16.
+    The one place the quant section builds its inputs."""
+    a = op_args(T, H, nb, dtype=torch.bfloat16, device=device, delta=1.0, output_norm=True,
+                seed=seed)
+    return list(a.tensors)
 
 
 def bench_quant(cfg, log) -> dict:
@@ -89,9 +87,14 @@ def _row(cfg, log, T: int) -> dict:
         "speedup": ratio_summary(samples["unfused"], samples["fused"]),
         "control": ratio_summary(samples["unfused"], samples["control"]),
     }
-    sp, ctl = row["speedup"], row["control"]
-    log(f"  T={T:5d} H={H} nb={nb}: fused {row['time_s']['fused']['median'] * 1e3:.3f}ms, "
-        f"unfused {row['time_s']['unfused']['median'] * 1e3:.3f}ms, "
-        f"unfused/fused {sp['median']:.2f} [{sp['q1']:.2f}-{sp['q3']:.2f}], "
-        f"control {ctl['median']:.2f} [{ctl['q1']:.2f}-{ctl['q3']:.2f}], bytes equal: {same}")
+    log("  " + quant_line(row))
     return row
+
+
+def quant_line(r: dict) -> str:
+    """A row of the section, as the log and the report print it."""
+    t = r["time_s"]
+    return (f"T={r['T']:5d} H={r['H']} nb={r['nb']} {r['dtype']}: fused "
+            f"{t['fused']['median'] * 1e3:9.3f} ms, unfused {t['unfused']['median'] * 1e3:9.3f}"
+            f" ms, speedup {fmt_ratio(r['speedup'])}, control {fmt_ratio(r['control'])}, "
+            f"bytes and scales equal: {r['bytes_and_scales_equal']}")

@@ -8,15 +8,11 @@ the vLLM-style capture (``attn_res`` stream, ``fuse_capture=False``: a separate
 at op level (each tap's consumer timed alone, with ``attn_res_capture``, and followed by
 the separate ``attn_res_mix``: the extra times summed over the taps).
 
-Why "faster than the separate read" is not a step-level target on CPU: ``LowerKimiOps``
-turns both the fused capture and the separate ``attn_res_mix`` into generated code, and
-Inductor fuses the separate read into the loops of its consumer, which read the same
-sources. At the quick size (L=4, H=256, T=64) both steps compile to 13 kernels, 28
-matmuls and 25 loops over H; the separate read adds 6 small buffer allocations (51
-against 45), a few microseconds of a step of tens of milliseconds, far below the spread
-of paired step ratios on a shared CPU (BENCHMARKS.md, table 2). A strict ``<`` at step
-level would be decided by noise, so the step is held to "no worse" (<= 1.02) and the
-saving is measured where it is resolved, at op level.
+At step level the separate read is not resolved on CPU: ``LowerKimiOps`` turns both
+captures into generated code and Inductor fuses the separate read into its consumer's loops
+(the same kernels, a few buffer allocations more; BENCHMARKS.md, table 2), far below the
+spread of paired step ratios. So the step is held to "no worse" (<= 1.02) and the saving is
+measured where it is resolved, at op level.
 """
 
 from __future__ import annotations
@@ -30,7 +26,16 @@ from unittest import mock
 
 import torch
 
-from kimi_passes.bench.harness import k3_input, ratio_summary, rel_err, summary, target
+from kimi_passes.bench.harness import (
+    k3_input,
+    op_args,
+    ratio_summary,
+    rel_err,
+    summary,
+    target,
+)
+from kimi_passes.ops.attn_res_args import AttnResArgs, MixArgs
+from kimi_passes.ops.conventions import cdiv
 
 # Targets (docs/design.md section 5).
 TARGET_TAP_VS_PREFIX = 1.02  # attn_res stream step / prefix (and / vLLM-style) step
@@ -47,6 +52,15 @@ def eagle3_ids(L: int) -> tuple[int, ...]:
     return tuple(sorted({min(max(k, 0), L) for k in (2, L // 2, L - 3)}))
 
 
+#: The three ways the taps are served: the prefix stream, the attn_res stream (the capture
+#: fused into the consumer) and the vLLM-style capture (a separate ``attn_res_mix`` read).
+WAYS: dict[str, dict[str, Any]] = {
+    "prefix": dict(aux_stream="prefix"),
+    "attn_res": dict(aux_stream="attn_res"),
+    "vllm_style": dict(aux_stream="attn_res", fuse_capture=False),
+}
+
+
 def bench_tap(cfg, log) -> dict:
     from kimi_passes import make_kimi_backend
     from kimi_passes.graphs import K3Config, K3Model
@@ -57,24 +71,16 @@ def bench_tap(cfg, log) -> dict:
                   intermediate_size=2 * H, vocab_size=128, aux_layer_ids=eagle3_ids(L),
                   dtype=dtype)
     ids = k3_input(k3, T, cfg.device)
-    ways: dict[str, dict[str, Any]] = {
-        "prefix": dict(aux_stream="prefix"),
-        "attn_res": dict(aux_stream="attn_res"),
-        "vllm_style": dict(aux_stream="attn_res", fuse_capture=False),
-    }
     torch._dynamo.reset()
-    eager = K3Model(k3).to(cfg.device)
     with torch.no_grad():
-        truth = eager.ground_truth(ids)[1]
+        truth = K3Model(k3).to(cfg.device).ground_truth(ids)[1]
     compiled, hows, errs, shapes = {}, {}, {}, {}
-    for name, opts in ways.items():
+    for name, opts in WAYS.items():
         backend = make_kimi_backend(**opts)
-        model = K3Model(k3).to(cfg.device)
-        cm = torch.compile(model, backend=backend)
+        cm = torch.compile(K3Model(k3).to(cfg.device), backend=backend)
         t0 = time.perf_counter()
-        with torch.no_grad():
-            with _output_code() as code:
-                _, taps = cm(ids)
+        with torch.no_grad(), _output_code() as code:
+            _, taps = cm(ids)
         shapes[name] = code_shape(code, H) if cfg.device.type == "cpu" else None
         log(f"  compiled {name} in {time.perf_counter() - t0:.1f}s")
         hows[name] = [f"{r.capture_id}: {r.how()}" for r in backend.aux_pass.last_rewrites]
@@ -97,11 +103,17 @@ def bench_tap(cfg, log) -> dict:
         "generated_code": shapes,
     }
     res["per_tap_ops"] = _tap_ops(cfg, k3, log)
+    _add_totals(res)
+    return res
+
+
+def _add_totals(res: dict) -> None:
+    """The taps' extra op-level time summed, its share of the step, and the targets."""
     extra = {way: sum(r[way]["extra_s"] for r in res["per_tap_ops"])
              for way in ("fused", "separate")}
     res["tap_ops_extra_s"] = extra
     res["tap_ops_extra_share_of_step"] = {
-        way: v / t["prefix"]["median"] for way, v in extra.items()}
+        way: v / res["time_s"]["prefix"]["median"] for way, v in extra.items()}
     res["targets"] = [
         target("tap: attn_res step / prefix step", res["attn_res_vs_prefix"]["median"],
                TARGET_TAP_VS_PREFIX, "<="),
@@ -110,7 +122,6 @@ def bench_tap(cfg, log) -> dict:
         target("tap ops: fused capture's extra s - separate read's extra s (all taps)",
                extra["fused"] - extra["separate"], 0.0, "<"),
     ]
-    return res
 
 
 @contextlib.contextmanager
@@ -138,22 +149,14 @@ def code_shape(code: list[str], H: int) -> dict | None:
             "loops_over_H": text.count(f"<static_cast<int64_t>({H}L); x")}
 
 
-def _consumer_args(k, k3, T, device, seed=0):
+def _consumer_args(k, k3, T, device) -> AttnResArgs:
     """Args of capture id ``k``'s consumer in ``k3`` (docs/design.md section 2) at ``T`` tokens."""
-    L, S, H, dtype = k3.num_layers, k3.attn_res_block_size, k3.hidden_size, k3.dtype
-    g = torch.Generator().manual_seed(seed)
-
-    def rnd(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).to(dtype=dtype, device=device)
-
-    nb = -(-k // S)
-    bank = rnd(T, -(-L // S), H)
-    weights = [1 + 0.1 * rnd(H), rnd(H, scale=2.0 / H**0.5)]
+    L, S, H = k3.num_layers, k3.attn_res_block_size, k3.hidden_size
+    common = dict(dtype=k3.dtype, device=device, slots=cdiv(L, S), eps=k3.eps)
     if k == L:  # the output aggregation: no output norm, no write
-        return [rnd(T, H), rnd(T, H), bank, *weights, None, nb, -1, k3.eps, k3.eps]
-    delta = rnd(T, H) if k > 0 else None
-    write = k // S if k % S == 0 else -1
-    return [rnd(T, H), delta, bank, *weights, 1 + 0.1 * rnd(H), nb, write, k3.eps, k3.eps]
+        return op_args(T, H, cdiv(k, S), delta=1.0, **common)
+    return op_args(T, H, cdiv(k, S), delta=1.0 if k > 0 else None,
+                   write=k // S if k % S == 0 else -1, output_norm=True, **common)
 
 
 def _tap_ops(cfg, k3, log) -> list[dict]:
@@ -163,19 +166,19 @@ def _tap_ops(cfg, k3, log) -> list[dict]:
     rows = []
     for k in k3.aux_layer_ids:
         a = _consumer_args(k, k3, cfg.tap_T, cfg.device)
-        prefix, _, bank, nw, qk, _, nb, *_ = a
+        mix = MixArgs.part_of(a)
 
-        def separate(a=a, prefix=prefix, bank=bank, nw=nw, qk=qk, nb=nb):
+        def separate(a=a, mix=mix):
             ops.attn_res(*a)
-            return ops.attn_res_mix(prefix, bank, nw, qk, nb, k3.eps)
+            return ops.attn_res_mix(*mix)
 
         cands = {"consumer": lambda a=a: ops.attn_res(*a),
                  "fused": lambda a=a: ops.attn_res_capture(*a),
                  "separate": separate}
         with torch.no_grad():
             samples = cfg.op_timer.run(cands)
-        row = {"capture_id": k, "num_blocks": nb, "block_write_idx": a[7],
-               "output_norm": a[5] is not None,
+        row = {"capture_id": k, "num_blocks": a.num_blocks, "block_write_idx": a.block_write_idx,
+               "output_norm": a.output_norm_weight is not None,
                "consumer_s": summary(samples["consumer"])}
         for way in ("fused", "separate"):
             diffs = [x - c for x, c in zip(samples[way], samples["consumer"], strict=True)]
