@@ -112,8 +112,6 @@ def debug_enabled() -> bool:
 class AttnResFusionPass(KimiGraphPass):
     """Replace plain-torch AttnRes mixing with ``kimi.attn_res_mix`` / ``attn_res_mix_list``."""
 
-    _instance: AttnResFusionPass | None = None
-
     def __init__(self, debug: bool | None = None, differentiable: bool = False):
         #: None: follow $KIMI_PASSES_FUSION_DEBUG / $TORCHINDUCTOR_PATTERN_MATCH_DEBUG.
         #: Only changes logging, never the graph: not part of the cache key.
@@ -125,13 +123,6 @@ class AttnResFusionPass(KimiGraphPass):
         self.last_fused = 0
         self.last_sites: list[FusedSite] = []
         self.last_misses: list[NearMiss] = []
-
-    @classmethod
-    def instance(cls) -> AttnResFusionPass:
-        """A process-wide instance (for stacks that install one pass object once)."""
-        if cls._instance is None:
-            cls._instance = cls()
-        return cls._instance
 
     def options(self) -> dict:
         return {"differentiable": self.differentiable}

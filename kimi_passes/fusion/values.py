@@ -69,11 +69,6 @@ def normalize_dim(d: int, rank: int) -> int:
     return d + rank if d < 0 else d
 
 
-# -- FX arguments -----------------------------------------------------------------------------
-# ``Node.args`` entries are typed as any FX argument; the op's schema says which one each
-# is. These read an argument as that type (no check, no conversion: ``node.args[i]``).
-
-
 # -- abstract values --------------------------------------------------------------------------
 
 

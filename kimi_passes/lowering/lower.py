@@ -63,9 +63,10 @@ MULTI_OUTPUT = (kimi.attn_res_mix_backward.default, kimi.attn_res_mix_list_backw
 class LowerKimiOps(KimiGraphPass):
     """Replace CPU kimi op calls with their ATen statements (see the module docstring)."""
 
-    #: Counts of the last run: lowered calls, and calls left as ops (with why).
-    last_lowered: int = 0
-    last_kept: list[str] = []
+    def __init__(self) -> None:
+        #: Counts of the last run: lowered calls, and calls left as ops (with why).
+        self.last_lowered = 0
+        self.last_kept: list[str] = []
 
     def run(self, graph: Graph) -> list[str]:
         lowered, kept = 0, []
