@@ -24,10 +24,7 @@ import torch
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 
-
-class NoMatch(Exception):
-    """A candidate is not an AttnRes mixture; the message says which check failed."""
-
+from kimi_passes.fx.match import NoMatch  # every matcher's "no match"; fusion/ imports it here
 
 # -- sizes ------------------------------------------------------------------------------------
 

@@ -376,8 +376,8 @@ def _find_consumer(graph: torch.fx.Graph, tap: Node, geometry: _Geometry, requir
         _refuse_split(k, split_ops, geometry)
     broke = graph_end is not None and graph_end.reason is not None
     if not found and (broke or not geometry.has_attn_res and _passes_through(tap)):
-        end = graph_end if graph_end is not None else GraphEnd()
-        raise AuxCaptureError(msg.graph_break(k, end.reason, end.where))
+        known = graph_end if graph_end is not None else GraphEnd()
+        raise AuxCaptureError(msg.graph_break(k, known.reason, known.where))
     # Without the graph's end from Dynamo (the pass installed alone), a break is possible.
     maybe_break = "" if graph_end is not None else msg.MAYBE_BREAK
     if not geometry.has_attn_res:
