@@ -3,37 +3,23 @@
 One decoder layer ``i`` (block size ``S``; ``pending`` is layer ``i-1``'s MLP output)::
 
     tap i: aux_tap(prefix + pending, i)     (taken before the call below mutates prefix)
-
-    prefix, pending, bank
-      |  attn_res(self_attention_res_norm/_proj, output_norm=input_layernorm,
-      |           num_blocks=cdiv(i,S), block_write_idx=i//S if i%S == 0 else -1)
-      |  in place: prefix += pending; on a write layer bank[:, i//S] = prefix
-      v
-      x --> self_attn --> attn_out --+-- write layer: prefix = attn_out, delta = None
-                                     +-- otherwise:   delta = attn_out
-    prefix, delta, bank
-      |  attn_res(mlp_res_norm/_proj, output_norm=post_attention_layernorm,
-      |           num_blocks=cdiv(i,S) + (i%S == 0), block_write_idx=-1)
-      v
-      h --> mlp --> mlp_out                 (the next layer's pending)
+    x = attn_res(prefix, pending, bank, self_attention_res_*, output_norm=input_layernorm,
+                 num_blocks=cdiv(i,S), block_write_idx=i//S if i%S == 0 else -1)
+    attn_out = self_attn(x)      # a write layer restarts prefix = attn_out; else delta
+    h = attn_res(prefix, delta, bank, mlp_res_*, output_norm=post_attention_layernorm,
+                 num_blocks=cdiv(i,S) + (i%S == 0), block_write_idx=-1)
+    pending = mlp(h)
 
 The last stage ends with the output aggregation ``attn_res(prefix, pending, bank,
 output_attn_res_*, no out norm, cdiv(L,S))`` (capture id ``L`` is tapped right before
 it) and the final ``norm``. A non-final stage hands on ``(prefix + pending, bank)``.
 
-Bank size: every stage carries the whole model's bank, ``NB = cdiv(L, S)`` slots (for
-the one-stage model that is docs/design.md's ``cdiv(L_end, S)``; a stage ``[start, end)`` only
-ever touches its first ``cdiv(end, S)``). A later stage takes the previous stage's bank
-and clones it, so stages compose functionally (no input is mutated) and bit for bit:
-every call sees the same values at the same strides as in the one-stage model. (A
-per-stage ``cdiv(end, S)`` bank would give the same math but not the same bits: the CPU
-op's key dots take another kernel path when the bank's row stride changes.)
-
-``K3Config(fp8_inputs=torch.float8_e4m3fn)`` quantizes what attention and the MLP read
-per token (``fp8_per_token``, the AMD kernel's formula) and dequantizes it, as an FP8
-checkpoint's linear layers read their input: the graph ``FuseQuantPass`` fuses.
-
-Parameters are initialised per layer from ``(config.seed, layer index)``, so layer
+Every stage carries (and clones) the whole model's bank, ``NB = cdiv(L, S)`` slots, so
+stages compose functionally and bit for bit: each call sees the values at the strides
+of the one-stage model (the CPU op's key dots take another kernel path at another row
+stride). ``K3Config(fp8_inputs=torch.float8_e4m3fn)`` quantizes and dequantizes what
+attention and the MLP read per token (``fp8_per_token``), the graph ``FuseQuantPass``
+fuses. Parameters are seeded per layer from ``(config.seed, layer index)``, so layer
 ``i`` has the same weights whatever the stage split; names follow the K3 checkpoint.
 """
 

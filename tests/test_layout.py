@@ -10,6 +10,8 @@
   the remedy.
 - A wheel built from the tree (not the editable install) carries every package and the
   golden files, and imports from where it was installed.
+- The house bounds: every package module at most 450 lines, its docstring at most 25;
+  docs/design.md at most 600 lines, BENCHMARKS.md at most 500.
 """
 
 from __future__ import annotations
@@ -391,3 +393,43 @@ def test_the_readme_options_table_is_the_records():
         "generated one")
     rows = [line.split("|")[1].strip().strip("`") for line in body.splitlines()[2:]]
     assert tuple(rows) == OPTIONS
+
+
+# --------------------------------------------------------------------------- the house bounds
+
+#: The developers' guide's bounds: a package module a reader takes in at once, a module
+#: docstring that states the invariant (the rest is design.md's), docs read in a sitting.
+MODULE_LINES, DOCSTRING_LINES = 450, 25
+DOC_LINES = {"docs/design.md": 600, "BENCHMARKS.md": 500}
+
+
+def docstring_lines(source: str, filename: str) -> int:
+    """How many lines the module docstring of ``source`` spans (0: none)."""
+    body = ast.parse(source, filename=filename).body
+    first = body[0] if body else None
+    if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+            and isinstance(first.value.value, str)):
+        return (first.end_lineno or first.lineno) - first.lineno + 1
+    return 0
+
+
+def test_the_house_bounds():
+    """Every package module (kimi_passes/, ops/, graphs/) at most 450 lines with a module
+    docstring of at most 25; docs/design.md at most 600 lines, BENCHMARKS.md 500."""
+    over = []
+    for f in sorted(module_files(TREES).values()):
+        source = f.read_text()
+        where = f.relative_to(ROOT)
+        lines = len(source.splitlines())
+        if lines > MODULE_LINES:
+            over.append(f"{where}: {lines} lines (at most {MODULE_LINES})")
+        doc = docstring_lines(source, str(f))
+        if doc > DOCSTRING_LINES:
+            over.append(f"{where}: a {doc}-line module docstring (at most {DOCSTRING_LINES}; "
+                        "the rest belongs in docs/design.md)")
+    for path, bound in DOC_LINES.items():
+        lines = len((ROOT / path).read_text().splitlines())
+        if lines > bound:
+            over.append(f"{path}: {lines} lines (at most {bound})")
+    if over:
+        pytest.fail("over the house bounds:\n" + "\n".join(over), pytrace=False)

@@ -76,6 +76,8 @@ def test_dynamic_tokens_lowered_and_the_shape_env_untouched():
     before = _state(env)
     lowering, _ = _lower(gm, mode)
     assert (lowering.last_lowered, lowering.last_kept) == (1, [])
+    # The counts are the instance's own: another pass object's list is not this one.
+    assert LowerKimiOps().last_kept is not lowering.last_kept
     assert not any(n.target is OPS.attn_res_mix.default for n in gm.graph.nodes)
     assert _state(env) == before
     assert all(env.var_to_sources.get(s) for s in env.var_to_range)

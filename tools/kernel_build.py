@@ -139,10 +139,6 @@ def variants() -> list[tuple[str, dict]]:
     return out
 
 
-def is_quant(variant: str) -> bool:
-    return "quant" in variant
-
-
 def fp8_type(arch) -> str:
     """The FP8 dtype a target's quant stores: e4m3fnuz (``fp8e4b8``) on gfx942, as vLLM runs
     MI300; e4m3fn (``fp8e4nv``) on sm_90, sm_100 and gfx950."""

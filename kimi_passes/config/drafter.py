@@ -36,7 +36,6 @@ PLUS_ONE = "layer ids, capture id = layer id + 1"
 #: speculators_model_type values whose raw ``aux_hidden_state_layer_ids`` vLLM's
 #: ``algos.py`` copies to ``eagle_aux_hidden_state_layer_ids`` as they are.
 SPECULATORS_AUX_TYPES = ("dflash", "dflash2", "dspark")
-SPECULATORS_TYPES = ("eagle3", "peagle", *SPECULATORS_AUX_TYPES)
 #: Formats whose drafter is handed the target's final state separately (speculators'
 #: DFlash converter drops capture id ``num_layers`` for that reason): a tap at
 #: ``num_layers`` the drafter does not declare is allowed for them.

@@ -1,12 +1,10 @@
 """Normalised text of FX graphs for golden files (and Graphviz DOT of the same views).
 
 ``graph_text(graph)`` prints a post-grad graph in a form meant to survive torch
-upgrades: no ``# File:`` comments, no ``<lambda>``, no stack traces; inputs named
-by parameter name where known (else ``in0, in1, ...``), nodes renamed ``v0, v1, ...``
-in graph order, dynamic symbols renamed ``s0, s1, ...`` in order of appearance,
-and ``auto_functionalized`` / ``auto_functionalized_v2`` written alike: the op
-with its schema's named arguments (the mutated bases resolved) and the list of
-mutated arguments::
+upgrades: no ``# File:`` comments, no ``<lambda>``, no stack traces; inputs named by
+parameter name where known (else ``in0, in1, ...``), nodes ``v0, v1, ...`` and dynamic
+symbols ``s0, s1, ...`` in order of appearance, and ``auto_functionalized`` (v1 and v2)
+written alike: the op with its schema's named arguments and its mutated arguments::
 
     v4 = kimi.attn_res_capture(prefix=v1, delta=None, blocks=v2, ...) [functional, mutates
         prefix, blocks]
@@ -14,18 +12,12 @@ mutated arguments::
     v4.updated.blocks: f32[5, 2, 16]
     v5: f32[5, 16] = aten.mm(v4.ret[0], v3)
 
-A ``getitem`` is named after what it reads and printed as its own line with its
-type, so that adding or dropping one does not renumber the rest of the graph.
-
-View ``"full"`` prints every node. View ``"skeleton"`` prints the kimi ops (and
-the getitems that read them), the nodes that feed them or the output, and folds
-every other run of nodes into one ``... N ops`` line; arguments that point into
-a folded run print as ``_``. View ``"kimi"`` (the goldens') prints only the kimi calls,
-each argument named by what produces it, and what the graph returns
-(``kimi_passes.debug.kimi_view``).
-
-``graph_dot`` draws the same views as Graphviz DOT. Recording graphs around the passes
-is ``kimi_passes.debug.recording``'s job; this module only reads graphs.
+A ``getitem`` is named after what it reads, on its own line, so that adding or dropping
+one does not renumber the rest. Views: ``"full"`` prints every node; ``"skeleton"`` the
+kimi ops, their getitems and what feeds them or the output, each other run folded into
+one ``... N ops`` line (arguments into it print as ``_``); ``"kimi"`` (the goldens') only
+the kimi calls and what the graph returns (``kimi_passes.debug.kimi_view``).
+``graph_dot`` draws the same views as Graphviz DOT; this module only reads graphs.
 """
 
 from __future__ import annotations

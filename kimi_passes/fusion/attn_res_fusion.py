@@ -1,67 +1,27 @@
 """AttnResFusionPass: AttnRes mixing written in plain torch becomes one kimi op.
 
-Invariant: after the pass, every recognised mixing site (sources stacked or concatenated,
-RMSNorm keys, a dot with one pseudo-query, softmax over the source axis, weighted sum of
-the raw sources) is one ``kimi.attn_res_mix`` or ``kimi.attn_res_mix_list`` call whose
-result is at least as accurate as the replaced nodes' (fp32 accumulation), in the replaced
-node's dtype; every other softmax is left as it was. The aux-stream pass then finds
-``attn_res_mix`` consumers of aux taps as usual. Rationale and costs: docs/design.md
-section 8.
+Invariant: every recognised mixing site (sources stacked or concatenated, RMSNorm keys, a
+dot with one pseudo-query, softmax over the source axis, weighted sum of the raw sources)
+is one ``kimi.attn_res_mix`` or ``kimi.attn_res_mix_list`` call, at least as accurate as
+the replaced nodes (fp32 accumulation), in the replaced node's dtype; every other softmax
+is left as it was, with the failed check recorded (``last_misses``).
 
 Before and after, for a site over ``bank[:, :k]`` and a prefix::
 
     v = cat([bank[:, :k], prefix[:, None]], 1)         # [T, k+1, H]
     r = rsqrt(mean(v * v, -1, keepdim) + eps)
     logit = (v * r * norm_w) @ qk_w                      # or einsum / mul+sum / Linear(H, 1)
-    p = softmax(logit, 1)
-    out = sum(p[..., None] * v, 1)                       # or bmm / einsum
+    out = sum(softmax(logit, 1)[..., None] * v, 1)       # or bmm / einsum
   ->
     out = kimi.attn_res_mix(prefix, bank, norm_w, qk_w, k, eps)
 
-Algorithm:
-
-1. Every softmax is a candidate: ``aten._softmax`` or its decomposition
-   ``div(exp(sub(x, amax(x, d))), sum(exp(..), d))`` (the stabilising ``amax`` is optional).
-2. Its output is followed through views and casts to the ``mul``/``bmm``/``mm`` that
-   combines it with another tensor (the weighted sum). That tensor is followed back
-   through views and casts; each tensor on the way is a candidate *root* ``R``: the
-   stacked sources.
-3. ``evaluator`` (with ``state``, ``rules``, ``axes`` and ``values``) evaluates the nodes
-   between ``R`` and the weighted sum symbolically, in graph order. Each axis of ``R`` gets
-   a name (size-1 axes are dropped); views, permutes, squeezes and casts move the names,
-   and every op must map one abstract value to another: raw sources ``V``, ``V^2``, its
-   mean over the hidden axis (the last axis of ``R``), ``+ eps``, ``rsqrt``, products with
-   weight vectors that vary only along the hidden axis, the contraction over the hidden
-   axis (mul+sum, ``bmm``, ``mm``, ``addmm`` of ``Linear(H, 1)``), softmax over one named
-   axis (the source axis ``n``), and the product of the probabilities with the *exact* raw
-   sources summed over ``n``.
-4. ``sources`` splits ``R`` into its sources along ``n``: the pieces of a ``cat`` (a
-   ``bank[:, a:b]`` slice counts as ``b - a`` sources), the inputs of a lowered ``stack``
-   (``cat`` + ``view``), or ``R``'s own slices; ``rewrite`` emits the op, and
-   ``grad_anchor`` keeps the inputs' gradients in training graphs.
-
-Emitted: ``attn_res_mix(prefix, bank, norm_weight, qk_weight, k, eps)`` when the sources
-are ``bank[:, :k]`` (``k`` may be 0) followed by one ``[T, H]`` prefix, every tensor and
-weight in one dtype, and the site's output dtype is the sources' (or every use casts back
-anyway, or an ``aux_tap`` reads the site); otherwise ``attn_res_mix_list(sources,
-norm_weight?, qk_weight, eps, out_dtype)``, which keeps a wider output dtype. RMSNorm
-without a weight passes a ones vector made in the graph. Weights are peeled through views
-and widening casts.
-
-Refused (the candidate is left alone, with the reason recorded): any op the rules do not
-map, an axis mismatch, a second softmax, a cast on the path of the values that are summed
-(casts to a lower precision on the key, logit or probability path are accepted: the fused
-op does not repeat them), a number of sources that is not static, and a size equality the
-shape environment cannot prove. Sizes are ints or SymInts compared with
-``statically_known_true`` (``values.same_size``; no guard is installed): Inductor's
-``V.graph.sizevars`` does not exist yet when post-grad custom passes run, nor on the
-pre-autograd path. The one float tolerance is ``rules._is_mean``'s, for a model that writes
-1/H as a literal.
-
-``last_fused`` counts the sites fused by the last call (``last_sites`` describes them); an
-INFO line on logger ``kimi_passes`` says the same. With ``KIMI_PASSES_FUSION_DEBUG=1`` (or
-``TORCHINDUCTOR_PATTERN_MATCH_DEBUG`` set) each softmax that was not fused is logged at
-INFO with the check that failed (``last_misses``).
+How: each softmax is a candidate; the tensor its weighted sum combines it with is a
+candidate root, whose nodes ``evaluator`` evaluates symbolically (``rules``, ``axes``,
+``values``); ``sources`` splits the root into sources, ``rewrite`` emits the op and
+``grad_anchor`` keeps inputs' gradients in training graphs. Sources that are not
+``bank[:, :k]`` plus one prefix in one dtype become ``attn_res_mix_list``. With
+``KIMI_PASSES_FUSION_DEBUG=1`` each softmax left alone is logged with its reason.
+Algorithm, refusals and costs: docs/design.md section 8.
 """
 
 from __future__ import annotations
@@ -112,8 +72,6 @@ def debug_enabled() -> bool:
 class AttnResFusionPass(KimiGraphPass):
     """Replace plain-torch AttnRes mixing with ``kimi.attn_res_mix`` / ``attn_res_mix_list``."""
 
-    _instance: AttnResFusionPass | None = None
-
     def __init__(self, debug: bool | None = None, differentiable: bool = False):
         #: None: follow $KIMI_PASSES_FUSION_DEBUG / $TORCHINDUCTOR_PATTERN_MATCH_DEBUG.
         #: Only changes logging, never the graph: not part of the cache key.
@@ -125,13 +83,6 @@ class AttnResFusionPass(KimiGraphPass):
         self.last_fused = 0
         self.last_sites: list[FusedSite] = []
         self.last_misses: list[NearMiss] = []
-
-    @classmethod
-    def instance(cls) -> AttnResFusionPass:
-        """A process-wide instance (for stacks that install one pass object once)."""
-        if cls._instance is None:
-            cls._instance = cls()
-        return cls._instance
 
     def options(self) -> dict:
         return {"differentiable": self.differentiable}

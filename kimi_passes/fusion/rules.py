@@ -31,6 +31,7 @@ from kimi_passes.fusion.values import (
     static_int,
 )
 from kimi_passes.fx.fx_toolkit import CASTS, arg_node, dtype_of, is_lossless
+from kimi_passes.fx.match import scalar
 
 aten = torch.ops.aten
 
@@ -41,14 +42,6 @@ GUARD_OPS = {
     aten.isinf.default, aten.isnan.default, aten.logical_not.default,
     aten.logical_and.default, aten.logical_or.default, aten.any.dims, aten.any.dim,
 }
-
-
-def _scalar(a) -> float | None:
-    if isinstance(a, bool):
-        return None
-    if isinstance(a, (int, float)):
-        return float(a)
-    return None
 
 
 def _ext_kind(ev: MixtureState, ext: Node, dims: tuple, where: str) -> str:
@@ -132,7 +125,7 @@ def _mul(ev: MixtureState, node: Node, where: str) -> MixtureValue:
         a, b, va, vb = b, a, vb, va
     if va is None:
         raise NoMatch(f"{where}: product of tensors outside the region")
-    c = _scalar(b)
+    c = scalar(b)
     if vb is None and c is not None:  # x * python scalar
         if va.kind is Kind.MONOMIAL:
             return replace(va, coefficient=va.coefficient * c, exact=va.exact and c == 1.0)
@@ -187,7 +180,7 @@ def _mul(ev: MixtureState, node: Node, where: str) -> MixtureValue:
 
 def _div(ev: MixtureState, node: Node, where: str) -> MixtureValue:
     a, b = node.args[0], node.args[1]
-    va, vb, c = ev.value_of(a), ev.value_of(b), _scalar(b)
+    va, vb, c = ev.value_of(a), ev.value_of(b), scalar(b)
     if va is None:
         raise NoMatch(f"{where}: division of a tensor outside the region")
     if vb is None and c is not None and c != 0:
@@ -216,7 +209,7 @@ def _add(ev: MixtureState, node: Node, where: str) -> MixtureValue:
     if node.kwargs.get("alpha", 1) != 1:
         raise NoMatch(f"{where}: add/sub with alpha")
     a, b = node.args[0], node.args[1]
-    va, vb, c = ev.value_of(a), ev.value_of(b), _scalar(b)
+    va, vb, c = ev.value_of(a), ev.value_of(b), scalar(b)
     sub = node.target in (aten.sub.Tensor, aten.sub.Scalar)
     if va is None:
         raise NoMatch(f"{where}: {'sub' if sub else 'add'} of a tensor outside the region")
@@ -354,7 +347,7 @@ def _matmul(ev: MixtureState, node: Node, where: str) -> MixtureValue:
             raise NoMatch(f"{where}: the product repeats an axis (not a per-row sum)")
         val = MixtureValue(Kind.MIXTURE, dims)
     if bias is not None:
-        c = _scalar(bias)
+        c = scalar(bias)
         if not (val.kind is Kind.MONOMIAL and (c is not None or is_one(numel(bias)))):
             raise NoMatch(f"{where}: addmm bias {bias} is not constant over the sources")
     return ev.checked(node, val, where)

@@ -24,10 +24,7 @@ import torch
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 
-
-class NoMatch(Exception):
-    """A candidate is not an AttnRes mixture; the message says which check failed."""
-
+from kimi_passes.fx.match import NoMatch  # every matcher's "no match"; fusion/ imports it here
 
 # -- sizes ------------------------------------------------------------------------------------
 
@@ -67,11 +64,6 @@ def numel(node: Node):
 
 def normalize_dim(d: int, rank: int) -> int:
     return d + rank if d < 0 else d
-
-
-# -- FX arguments -----------------------------------------------------------------------------
-# ``Node.args`` entries are typed as any FX argument; the op's schema says which one each
-# is. These read an argument as that type (no check, no conversion: ``node.args[i]``).
 
 
 # -- abstract values --------------------------------------------------------------------------

@@ -2,15 +2,12 @@
 
 Invariant after the pass: no ``kimi.attn_res`` / ``attn_res_capture`` /
 ``attn_res_quant`` / ``attn_res_quant_capture`` (bare or inside ``auto_functionalized``
-v1/v2), ``attn_res_mix``, ``attn_res_mix_list``,
-``attn_res_mix_backward`` or ``attn_res_mix_list_backward`` call on a CPU tensor of the
-ops' dtypes is left; each is replaced by its ATen statement (``decompositions.py``),
-which Inductor compiles into C++ loops fused with its neighbours, with no Python op
-dispatch. CUDA calls stay the Triton kernels. A call the pass cannot lower (a mutated
-argument that is a view of another tensor, under ``auto_functionalized_v2``; fp64) stays
-the op, and the log says so.
-Under Inductor's ``fallback_by_default`` (every op an ATen call, no generated code) the
-pass keeps every call: there is nothing to fuse the statement into.
+v1/v2), ``attn_res_mix``, ``attn_res_mix_list`` or their ``_backward`` call on a CPU
+tensor of the ops' dtypes is left; each is replaced by its ATen statement
+(``decompositions.py``), which Inductor compiles into C++ loops fused with its
+neighbours. CUDA calls stay the Triton kernels. A call the pass cannot lower (a mutated
+view under ``auto_functionalized_v2``; fp64) stays the op, and the log says so; under
+Inductor's ``fallback_by_default`` every call stays (there is no code to fuse into).
 
 Before (one K3 layer)::
 
@@ -23,8 +20,8 @@ After::
     bank2 = select_scatter(bank, x, 1, w)      # after the last read of bank
     (out, x, bank2 replace af[0], af[1], af[2])
 
-It runs last, after every other kimi pass has seen the kimi ops (the aux-stream rewrite
-and the fusion find their consumers by them; the goldens record the graph before it).
+It runs last: the other kimi passes find their sites by the kimi ops, and the goldens
+record the graph before it. docs/design.md section 9.
 """
 
 from __future__ import annotations
@@ -63,9 +60,10 @@ MULTI_OUTPUT = (kimi.attn_res_mix_backward.default, kimi.attn_res_mix_list_backw
 class LowerKimiOps(KimiGraphPass):
     """Replace CPU kimi op calls with their ATen statements (see the module docstring)."""
 
-    #: Counts of the last run: lowered calls, and calls left as ops (with why).
-    last_lowered: int = 0
-    last_kept: list[str] = []
+    def __init__(self) -> None:
+        #: Counts of the last run: lowered calls, and calls left as ops (with why).
+        self.last_lowered = 0
+        self.last_kept: list[str] = []
 
     def run(self, graph: Graph) -> list[str]:
         lowered, kept = 0, []

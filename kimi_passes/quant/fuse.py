@@ -1,41 +1,27 @@
-"""FuseQuantPass: an AttnRes output that only a per-token FP8 quant reads is quantized in
-the AttnRes kernel.
+"""FuseQuantPass: an AttnRes output only a per-token FP8 quant reads is quantized in the kernel.
 
-Invariant after the pass: no ``kimi.attn_res`` / ``attn_res_capture`` call's output is
-read by a dynamic per-token FP8 quant alone (``recognise.find_quants``) that
-``kimi.attn_res_quant`` reproduces bit for bit: each such call is now
-``attn_res_quant`` / ``attn_res_quant_capture`` with that quant's parameters, and the
-quant's readers read the op's fp8 values and scales. Nothing else changes: an output with
-any other reader (a second quant, the graph's output, a matmul) stays as it is, and so do
-the quant and the call.
+Invariant after the pass: no ``kimi.attn_res`` / ``attn_res_capture`` output is read by a
+dynamic per-token FP8 quant alone (``recognise.find_quants``) that ``kimi.attn_res_quant``
+reproduces bit for bit: the call is ``attn_res_quant`` / ``attn_res_quant_capture`` with
+the quant's parameters, and the quant's readers read the op's fp8 values and scales. An
+output with any other reader stays as it is, and so do the quant and the call.
 
-Before (one pre-attention site; ``QuantFP8``'s native form, as post-grad ATen)::
+Before (``QuantFP8``'s native form, as post-grad ATen)::
 
-    af = auto_functionalized_v2(kimi.attn_res, prefix=.., delta=.., .., _all_bases=[p, b])
-    x, prefix', bank' = af[0], af[1], af[2]
-    xf = convert(x, f32);  a = convert(unsqueeze(amax(abs(x), [-1]), -1), f32)
-    s = clamp_min(div(a, 448.0), 1 / (448 * 512))
-    q = convert(clamp_max(clamp_min(mul(xf, reciprocal(s)), -448.0), 448.0), float8_e4m3fn)
-    ... = scaled_mm(q, w, s, ..)
+    x, prefix', bank' = auto_functionalized_v2(kimi.attn_res, ...)[0:3]
+    s = clamp_min(div(amax(abs(x)), 448.0), 1 / (448 * 512))
+    q = convert(clamp(mul(convert(x, f32), reciprocal(s)), -448.0, 448.0), float8_e4m3fn)
 
 After::
 
-    af = auto_functionalized_v2(kimi.attn_res_quant, prefix=.., delta=.., ..,
-                                quant_dtype=float8_e4m3fn, quant_max=448.0, amax_floor=0.0,
-                                scale_floor=1 / (448 * 512), divide=True, scale_ub=None,
-                                divide_values=False, _all_bases=[p, b])
+    af = auto_functionalized_v2(kimi.attn_res_quant, ..., quant_dtype=float8_e4m3fn,
+                                quant_max=448.0, ..., divide_values=False)
     q, s, prefix', bank' = af[0], af[1], af[2], af[3]
-    ... = scaled_mm(q, w, s, ..)
 
-An ``attn_res_capture`` call (a tap fused by ``AuxStreamPass``) becomes
-``attn_res_quant_capture``: ``(q, s, mixture, prefix', bank')``. ``auto_functionalized``
-(v1) calls are rewritten alike: both return the op's outputs, then the mutated bases.
-
-vLLM's CUDA op ``_C::dynamic_per_token_scaled_fp8_quant`` is fused alike, with
-``divide_values=True`` (its kernel divides each value by the scale). A quant whose
-``scale_ub`` is computed after the call is left unfused, with an INFO line saying why.
-Runs after ``AuxStreamPass`` (which may turn the call into ``attn_res_capture``) and before
-``LowerKimiOps``, in ``kimi_passes.pass_manager`` (option ``fuse_quant``).
+``attn_res_capture`` becomes ``attn_res_quant_capture`` (``q, s, mixture, prefix',
+bank'``); v1 calls alike; vLLM's ``_C`` per-token op with ``divide_values=True``. A quant
+whose ``scale_ub`` is computed after the call is left unfused, with an INFO line. Runs
+after ``AuxStreamPass``, before ``LowerKimiOps`` (option ``fuse_quant``); design.md section 10.
 """
 
 from __future__ import annotations

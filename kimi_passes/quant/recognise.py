@@ -11,27 +11,16 @@ Three forms, each as it reaches Inductor's post-grad graph:
     [a = clamp_max(a, scale_ub)];  s = clamp_min(div(a, FP8_MAX), 1 / (FP8_MAX * 512))
     out = convert(clamp_max(clamp_min(mul(xf, reciprocal(s)), -FP8_MAX), FP8_MAX), fp8)
 
-The AMD kernel's formula in plain torch (vLLM's ROCm K3 AttnRes quant)::
+The AMD kernel's formula (vLLM's ROCm K3 quant): ``a = clamp_min(amax(abs(xf), [-1],
+True), 1e-10)``, ``s = mul(a, 1 / QUANT_MAX)``, the same clamped product (torch 2.11 keeps
+``1.0 / s`` as ``mul(reciprocal(s), 1.0)``: both are the reciprocal). vLLM's CUDA op
+``_C::dynamic_per_token_scaled_fp8_quant``, functionalized: ``QuantFP8``'s scale, but
+its values are ``x / scale`` (``divide_values=True``).
 
-    xf = convert(x, f32);  a = clamp_min(amax(abs(xf), [-1], True), 1e-10)
-    s = mul(a, 1 / QUANT_MAX);  out = convert(clamp(mul(xf, reciprocal(s)), ...), fp8)
-
-(torch 2.11's post-grad graph keeps ``1.0 / s`` as ``mul(reciprocal(s), 1.0)``; later
-torch drops the multiply by one. Both are the reciprocal.)
-
-vLLM's CUDA op, functionalized: ``auto_functionalized(_C.dynamic_per_token_scaled_fp8_quant,
-result=empty, input=x, scale=empty, scale_ub=...)``, whose new ``result`` and ``scale``
-are the values and the scales. Its kernel computes ``QuantFP8``'s scale
-(``max(min(amax, scale_ub) / qmax, 1 / (qmax * 512))``) but divides each value by the
-scale (``x / scale``) where the forms above multiply by its reciprocal (the two round
-differently: about 3 fp8 bytes in 10^4 differ on bf16 rows), so its parameters carry
-``divide_values=True`` (docs/design.md section 10).
-
-Order matters where rounding does: the amax bound (``scale_ub``) before the amax floor,
-the scale floor after the scale, the clamp bounds ``-qmax``/``qmax`` equal to the scale's
-``qmax``. A chain in any other order, another dtype than float8_e4m3fn / e4m3fnuz, a
-reduction over another dim, or a division of the values is not a per-token quant this
-module knows, and is left as it is.
+Order matters where rounding does (the amax bound before the amax floor, the scale floor
+after the scale, clamp bounds ``-qmax``/``qmax``): a chain in any other order, another
+dtype than float8_e4m3fn / e4m3fnuz, another reduction dim or a division of the values
+is no match (``fx.match.NoMatch``) and is left as it is. docs/design.md section 10.
 """
 
 from __future__ import annotations
@@ -51,6 +40,7 @@ from kimi_passes.fx.fx_toolkit import (
     dtype_of,
     is_lossless,
 )
+from kimi_passes.fx.match import NoMatch, is_call, need, node_arg, scalar, scalar_arg
 from kimi_passes.ops.attn_res_args import AttnResArgs, AttnResQuantArgs
 
 aten = torch.ops.aten
@@ -129,44 +119,20 @@ def find_quants(graph: Graph) -> list[QuantSite]:
 # -- the ATen forms ---------------------------------------------------------------------
 
 
-class _NoMatch(Exception):
-    pass
-
-
-def _need(cond: bool) -> None:
-    if not cond:
-        raise _NoMatch
-
-
 def _cast_dtype(node) -> torch.dtype | None:
     """The dtype a cast node converts to (None: not a cast)."""
-    if not isinstance(node, Node) or node.op != "call_function" or node.target not in CASTS:
+    if not is_call(node, *CASTS):
         return None
     if node.target is torch.ops.prims.convert_element_type.default:
-        return node.args[1]  # type: ignore[return-value]
+        return node.args[1]
     if set(node.kwargs) - {"dtype"} or len(node.args) != 1:
         return None  # _to_copy with a layout, device or memory format: not a plain cast
-    return node.kwargs.get("dtype")  # type: ignore[return-value]
-
-
-def _scalar(node, i: int) -> float:
-    value = node.args[i] if len(node.args) > i else None
-    _need(isinstance(value, (int, float)) and not isinstance(value, bool))
-    return float(value)  # type: ignore[arg-type]
+    return node.kwargs.get("dtype")
 
 
 def _f32(x: float) -> float:
     """``x`` as an fp32 value (how ATen applies a Python scalar to an fp32 tensor)."""
     return torch.tensor(x, dtype=torch.float32).item()
-
-
-def _node(value) -> Node:
-    _need(isinstance(value, Node))
-    return cast(Node, value)
-
-
-def _is(node, *targets) -> bool:
-    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
 
 
 class _Chain:
@@ -176,7 +142,7 @@ class _Chain:
         self.nodes: set[Node] = set()
 
     def take(self, node) -> Node:
-        _need(isinstance(node, Node))
+        node = node_arg(node)
         self.nodes.add(node)
         return node
 
@@ -188,7 +154,7 @@ def _match_native(cast: Node) -> QuantSite | None:
         return None
     try:
         return _walk(cast, qdtype)
-    except _NoMatch:
+    except NoMatch:
         return None
 
 
@@ -196,19 +162,19 @@ def _walk(cast: Node, qdtype: torch.dtype) -> QuantSite:
     chain = _Chain()
     chain.take(cast)
     lo, hi, prod = _clamp_bounds(chain, chain.take(cast.args[0]))
-    _need(lo == -hi and hi > 0)
+    need(lo == -hi and hi > 0)
     qmax = hi
-    _need(_is(prod, aten.mul.Tensor) and len(prod.args) == 2)
+    need(is_call(prod, aten.mul.Tensor) and len(prod.args) == 2)
     chain.take(prod)
     a, b = prod.args
     values, other = (b, a) if _reciprocal(a) is not None else (a, b)
-    recip = chain.take(_node(_reciprocal(other)))
+    recip = chain.take(node_arg(_reciprocal(other)))
     chain.take(other)
     source = _widened_source(chain, values)
-    scale = _node(recip.args[0])
+    scale = node_arg(recip.args[0])
     divide, scale_floor, amax = _scale(chain, scale, qmax)
     amax_floor, scale_ub = _amax(chain, amax, source)
-    _need(dtype_of(scale) == torch.float32)
+    need(dtype_of(scale) == torch.float32)
     params = QuantParams(qdtype, qmax, amax_floor, scale_floor, divide, scale_ub)
     form = "AMD kernel formula" if not divide else "QuantFP8 native"
     return QuantSite(form, source, cast, scale, params, chain.nodes)
@@ -216,38 +182,37 @@ def _walk(cast: Node, qdtype: torch.dtype) -> QuantSite:
 
 def _clamp_bounds(chain: _Chain, node: Node) -> tuple[float, float, Node]:
     """``clamp(x, lo, hi)``, or ``clamp_min`` / ``clamp_max`` nested either way: (lo, hi, x)."""
-    if _is(node, aten.clamp.default) and len(node.args) == 3 and not node.kwargs:
-        return _scalar(node, 1), _scalar(node, 2), node.args[0]  # type: ignore[return-value]
+    if is_call(node, aten.clamp.default) and len(node.args) == 3 and not node.kwargs:
+        return scalar_arg(node, 1), scalar_arg(node, 2), node.args[0]  # type: ignore[return-value]
     bounds: dict[object, float] = {}
-    while _is(node, aten.clamp_min.default, aten.clamp_max.default) \
+    while is_call(node, aten.clamp_min.default, aten.clamp_max.default) \
             and node.target not in bounds:
-        bounds[node.target] = _scalar(node, 1)
+        bounds[node.target] = scalar_arg(node, 1)
         inner = node.args[0]
         if len(bounds) == 2:
             return (bounds[aten.clamp_min.default], bounds[aten.clamp_max.default],
                     inner)  # type: ignore[return-value]
         node = chain.take(inner)
-    raise _NoMatch
+    raise NoMatch(f"{node.name}: not a clamp to two bounds")
 
 
 def _reciprocal(node) -> Node | None:
     """The reciprocal node of ``reciprocal(s)``, or of ``mul(reciprocal(s), 1.0)`` as torch
     2.11 traces ``1.0 / s`` (multiplying by one is exact); None for anything else."""
-    if _is(node, aten.reciprocal.default):
+    if is_call(node, aten.reciprocal.default):
         return node
-    if not (_is(node, aten.mul.Tensor) and len(node.args) == 2):
+    if not (is_call(node, aten.mul.Tensor) and len(node.args) == 2):
         return None
-    recip, one = node.args if _is(node.args[0], aten.reciprocal.default) else node.args[::-1]
-    unit = isinstance(one, (int, float)) and not isinstance(one, bool) and one == 1
-    return recip if unit and _is(recip, aten.reciprocal.default) else None
+    recip, one = node.args if is_call(node.args[0], aten.reciprocal.default) else node.args[::-1]
+    return recip if scalar(one) == 1 and is_call(recip, aten.reciprocal.default) else None
 
 
 def _widened_source(chain: _Chain, values) -> Node:
     """The value the quant scales: ``values`` itself when fp32, else the cast it widens."""
-    _need(isinstance(values, Node) and dtype_of(values) == torch.float32)
+    need(isinstance(values, Node) and dtype_of(values) == torch.float32)
     if _cast_dtype(values) == torch.float32:
         src = values.args[0]
-        _need(isinstance(src, Node) and is_lossless(dtype_of(src), torch.float32))
+        need(isinstance(src, Node) and is_lossless(dtype_of(src), torch.float32))
         chain.take(values)
         return src
     return values
@@ -257,14 +222,14 @@ def _scale(chain: _Chain, scale: Node, qmax: float) -> tuple[bool, float, Node]:
     """``scale = [clamp_min](amax / qmax | amax * (1 / qmax), floor)``: (divide, floor, amax)."""
     node = chain.take(scale)
     floor = 0.0
-    if _is(node, aten.clamp_min.default):
-        floor = _scalar(node, 1)
+    if is_call(node, aten.clamp_min.default):
+        floor = scalar_arg(node, 1)
         node = chain.take(node.args[0])
-    if _is(node, aten.div.Tensor):
-        _need(_scalar(node, 1) == qmax)
+    if is_call(node, aten.div.Tensor):
+        need(scalar_arg(node, 1) == qmax)
         return True, floor, node.args[0]  # type: ignore[return-value]
-    _need(_is(node, aten.mul.Tensor))
-    _need(_f32(_scalar(node, 1)) == _f32(1.0 / qmax))
+    need(is_call(node, aten.mul.Tensor))
+    need(_f32(scalar_arg(node, 1)) == _f32(1.0 / qmax))
     return False, floor, node.args[0]  # type: ignore[return-value]
 
 
@@ -272,33 +237,33 @@ def _amax(chain: _Chain, node, source: Node) -> tuple[float, Node | None]:
     """``[clamp_min]([clamp_max](amax|x| per row, scale_ub), floor)``: (floor, scale_ub)."""
     node = chain.take(node)
     floor = 0.0
-    if _is(node, aten.clamp_min.default):
-        floor = _scalar(node, 1)
+    if is_call(node, aten.clamp_min.default):
+        floor = scalar_arg(node, 1)
         node = chain.take(node.args[0])
     scale_ub = None
-    if _is(node, aten.clamp_max.Tensor, aten.minimum.default):
+    if is_call(node, aten.clamp_max.Tensor, aten.minimum.default):
         scale_ub = node.args[1]
-        _need(isinstance(scale_ub, Node) and dtype_of(scale_ub) == torch.float32)
-        _need(scale_ub.meta["val"].numel() == 1)
+        need(isinstance(scale_ub, Node) and dtype_of(scale_ub) == torch.float32)
+        need(scale_ub.meta["val"].numel() == 1)
         node = chain.take(node.args[0])
     if _cast_dtype(node) == torch.float32:  # the amax of bf16 values, widened (exact)
         node = chain.take(node.args[0])
     keepdim = False
-    if _is(node, aten.unsqueeze.default):
-        _need(node.args[1] in (-1, 1))
+    if is_call(node, aten.unsqueeze.default):
+        need(node.args[1] in (-1, 1))
         node = chain.take(node.args[0])
         keepdim = True
-    _need(_is(node, aten.amax.default))
+    need(is_call(node, aten.amax.default))
     dims = node.args[1] if len(node.args) > 1 else []
-    _need(list(dims) in ([-1], [1]))
-    _need((len(node.args) > 2 and node.args[2] is True) != keepdim)
+    need(list(dims) in ([-1], [1]))
+    need((len(node.args) > 2 and node.args[2] is True) != keepdim)
     absolute = chain.take(node.args[0])
-    _need(_is(absolute, aten.abs.default))
+    need(is_call(absolute, aten.abs.default))
     read = absolute.args[0]
     if read is not source:  # abs of the widened copy, or of another widening cast of source
-        _need(_cast_dtype(read) == torch.float32 and read.args[0] is source)  # type: ignore
+        need(_cast_dtype(read) == torch.float32 and read.args[0] is source)  # type: ignore
         chain.take(read)
-    _need(dtype_of(source) is not None and len(source.meta["val"].shape) == 2)
+    need(dtype_of(source) is not None and len(source.meta["val"].shape) == 2)
     return floor, scale_ub
 
 

@@ -1,53 +1,25 @@
 """AuxStreamPass: every aux tap reads the pre-norm AttnRes mixture its consumer reads.
 
-Invariant after the pass: no ``kimi.aux_tap`` node is left. In ``"attn_res"``
-stream each tap's users read exactly the mixture that its consumer (the AttnRes
-call that mixes against the tap's value) computes before its output norm; in
-``"prefix"`` stream they read the tap's input, the legacy running prefix.
-
-Taps are markers, or unmarked: a returned value that is a capture consumer's legacy input,
-or a pure mixing call over the same sources (``taps/capture.py``, the recognition rule of
-docs/design.md section 4). In ``"attn_res"`` stream an unmarked tap's output slot reads its
-consumer's mixture (fused as below) and a merged pure call is erased; in ``"prefix"``
-stream the graph is left as it is. Markers and unmarked taps of one graph must agree.
+Invariant after the pass: no ``kimi.aux_tap`` node is left. In ``"attn_res"`` stream each
+tap's users read the mixture its consumer (the AttnRes call that mixes against the tap's
+value) computes before its output norm; in ``"prefix"`` stream, the tap's input. Unmarked
+taps (``taps/capture.py``) are served the same way; markers and unmarked taps must agree.
 
 Before (one K3 layer, capture id 3)::
 
-    x = add(prefix, pending)
-    tap = kimi.aux_tap(x, 3)
+    tap = kimi.aux_tap(add(prefix, pending), 3)
     af = auto_functionalized_v2(kimi.attn_res, delta=pending, ..., _all_bases=[prefix, bank])
-    out, prefix', bank' = af[0], af[1], af[2]
 
-After, fused (the consumer has an output norm, so its kernel already reads every
-source; it emits the mixture as a second output, one extra [T,H] write)::
+After, fused (the consumer's kernel emits the mixture as a second output)::
 
-    af = auto_functionalized_v2(kimi.attn_res_capture, delta=pending, ...,
-                                _all_bases=[prefix, bank])
+    af = auto_functionalized_v2(kimi.attn_res_capture, delta=pending, ...)
     out, tap, prefix', bank' = af[0], af[1], af[2], af[3]
 
-An ``auto_functionalized`` (v1) consumer, vLLM's default, is rewritten the same way:
-both forms return the op's outputs and then the mutated bases' new values.
-
-A consumer without an output norm (the output aggregation) already returns the
-mixture: the tap reads ``af[0]``. With ``fuse=False`` the tap is a separate
-``kimi.attn_res_mix`` over the consumer's updated prefix and bank, the way vLLM
-captures it (a second read of the bank; for A/B and benchmarks).
-
-Refused with ``AuxCaptureError`` (at compile time, never a silent fallback): a
-tap with no consumer in the graph (the end of a non-final pipeline stage), a
-consumer whose layer or ``num_blocks`` contradicts the capture id, two taps
-claiming one id, markers in a graph with no AttnRes op, vLLM's K3 ``attn_res`` not routed
-to ``kimi::attn_res`` (``"attn_res"`` stream; ``taps/unrouted.py``), an unmarked value two capture
-consumers read (``"attn_res"`` stream), and a marker contradicting an unmarked tap. A tap
-cut off from its consumer by a graph break names the break; under a host that compiles the
-model in pieces (vLLM), the splitting ops. With a drafter config (``drafter``), a graph
-whose taps are not exactly the declared ids it owns (``taps/served.py``), before any
-rewrite.
-
-The pass rewrites taps and nothing else. ``kimi_passes.pass_manager`` runs it after the
-mixing fusion and before the CPU lowering; installed alone as Inductor's
-``post_grad_custom_post_pass`` on a graph with CPU kimi calls, it warns once, naming the
-manager, since those calls then stay op calls.
+A consumer without an output norm returns the mixture itself (``af[0]``); with
+``fuse=False`` the tap is a separate ``kimi.attn_res_mix`` read of the bank. What cannot
+be served is refused with ``AuxCaptureError`` at compile time, never a silent fallback
+(the texts: ``taps/messages.py``). The pass manager runs it after the fusion and before
+the CPU lowering. docs/design.md section 4.
 """
 
 from __future__ import annotations
@@ -75,6 +47,7 @@ from kimi_passes.fx.kimi_calls import (
     tap_args,
 )
 from kimi_passes.ops.conventions import cdiv
+from kimi_passes.taps import messages as msg
 from kimi_passes.taps.capture import (
     Capture,
     find_captures,
@@ -124,9 +97,7 @@ class AuxStreamPass(KimiGraphPass):
     def __init__(self, stream: str = "attn_res", fuse: bool = True,
                  drafter: DrafterTaps | None = None):
         if stream not in STREAMS:
-            raise ValueError(
-                f"AuxStreamPass: unknown stream {stream!r}; use one of {list(STREAMS)}"
-            )
+            raise ValueError(msg.unknown_stream(stream, STREAMS))
         self.stream = stream
         self.fuse = fuse
         #: Rewrites made by the last call (for tests, tools and the main job).
@@ -178,7 +149,9 @@ class AuxStreamPass(KimiGraphPass):
         geometry = _Geometry([c for c in calls if c.node not in pure], mix_nodes(graph))
         _check_unique_ids(taps, geometry)
         if captures is not None and captures.ambiguous and self.stream != "prefix":
-            raise AuxCaptureError(_ambiguous_message(captures.ambiguous[0], geometry))
+            what, consumers = captures.ambiguous[0]
+            raise AuxCaptureError(msg.ambiguous(what, [c.describe() for c in consumers],
+                                                geometry.stage()))
         _check_markers_agree(graph, taps, found, geometry)
         if self._check is not None:
             ids = {tap_args(tap)[1] for tap in taps}
@@ -192,11 +165,8 @@ class AuxStreamPass(KimiGraphPass):
         if taps or self.stream != "prefix":  # unmarked taps alone in prefix: nothing changed
             graph.eliminate_dead_code()
         self.last_rewrites = rewrites
-        summary = f"AuxStreamPass(stream={self.stream}): rewrote {len(rewrites)} tap(s): " + (
-            "; ".join(f"id {r.capture_id} <- {r.consumer} ({r.how()})" for r in rewrites))
-        return [summary] + [
-            f"AuxStreamPass: capture id {r.capture_id} is a separate attn_res_mix read of the "
-            "bank (nothing to fuse it into)" for r in rewrites if r.fused is False] + kept
+        separate = [msg.separate_read(r.capture_id) for r in rewrites if r.fused is False]
+        return [msg.summary(self.stream, rewrites), *separate, *kept]
 
     def _rewrite(self, graph: torch.fx.Graph, tap: Node, geometry: _Geometry) -> TapRewrite:
         value, capture_id = tap_args(tap)
@@ -235,10 +205,7 @@ class AuxStreamPass(KimiGraphPass):
             replace_returned(graph, path, _views_of(graph, mixture, chain))
             _erase_unused(graph, chain)
         if pure is not None and not _drop_pure(graph, pure):
-            kept.append(
-                f"AuxStreamPass: capture id {capture.capture_id}: the pure attn_res call "
-                f"{pure.node.name} stays (its mixture has readers other than the returned "
-                "value); the returned value reads the consumer's fused mixture")
+            kept.append(msg.pure_call_kept(capture.capture_id, pure.node.name))
         return rewrite
 
     def _mixture(self, graph: torch.fx.Graph, call: AttnResCall) -> tuple[Node, bool]:
@@ -274,13 +241,7 @@ def _warn_alone() -> None:
     """The pass alone rewrites taps only: on CPU the kimi calls stay op calls."""
     global _warned_alone
     _warned_alone = True
-    warnings.warn(
-        "kimi_passes: AuxStreamPass installed alone as post_grad_custom_post_pass rewrites "
-        "the aux taps only: this CPU graph's kimi op calls stay op calls instead of "
-        "generated code, and AttnRes mixing written in plain torch is not fused. Install "
-        "the pass manager instead: post_grad_custom_post_pass = kimi_passes.pass_manager("
-        "aux_stream=..., draft_config=...) (the same options as make_kimi_backend)",
-        UserWarning, stacklevel=2)
+    warnings.warn(msg.installed_alone(), UserWarning, stacklevel=2)
 
 
 def _views_of(graph: torch.fx.Graph, value: Node, chain: list[Node]) -> Node:
@@ -316,18 +277,6 @@ def _drop_pure(graph: torch.fx.Graph, pure: AttnResCall) -> bool:
     return True
 
 
-def _ambiguous_message(ambiguous: tuple[str, list[AttnResCall]], geometry: _Geometry) -> str:
-    what, consumers = ambiguous
-    names = "; ".join(c.describe() for c in consumers)
-    return (
-        f"{what} is the legacy input of {len(consumers)} AttnRes calls in the "
-        f"{geometry.stage()} ({names}): an unmarked aux capture must have one consumer, "
-        "whose pre-norm mixture it then reads, and serving either one could feed the "
-        "drafter the wrong layer's state. Remedy: mark the tap with "
-        "kimi_passes.aux_tap(x, capture_id) right before the layer that reads it, or "
-        "compile with aux_stream='prefix' if the drafter was trained on the prefix stream")
-
-
 def _check_markers_agree(graph: torch.fx.Graph, taps: list[Node], found: list[Capture],
                          geometry: _Geometry) -> None:
     """Markers and unmarked captures of one graph must name the same ids for one consumer."""
@@ -354,13 +303,8 @@ def _check_markers_agree(graph: torch.fx.Graph, taps: list[Node], found: list[Ca
 
 
 def _contradiction(tap: Node, k: int, capture: Capture, geometry: _Geometry) -> str:
-    return (
-        f"the aux tap marker {tap.name} (capture id {k}) contradicts the unmarked capture "
-        f"{capture.describe()} (capture id {capture.capture_id}) in the {geometry.stage()}: "
-        "one graph names two capture ids for one consumer, or one capture id for two "
-        "consumers, and the drafter would be fed one of them silently. Remedy: give the "
-        "marker the capture id of the layer that reads its value, or return the value "
-        "the marker marks (not another layer's input)")
+    return msg.contradiction(tap.name, k, capture.describe(), capture.capture_id,
+                             geometry.stage())
 
 
 def _to_capture(graph: torch.fx.Graph, call: AttnResCall) -> AttnResCall:
@@ -418,11 +362,7 @@ def _check_unique_ids(taps: list[Node], geometry: _Geometry) -> None:
     for tap in taps:
         k = tap_args(tap)[1]
         if k in seen:
-            raise AuxCaptureError(
-                f"capture id {k} is claimed by two aux taps ({seen[k].name} and {tap.name}) "
-                f"in the {geometry.stage()}; each capture id must be tapped once: remove the "
-                "duplicate from the model's aux layer ids"
-            )
+            raise AuxCaptureError(msg.duplicate_id(k, seen[k].name, tap.name, geometry.stage()))
         seen[k] = tap
 
 
@@ -436,38 +376,18 @@ def _find_consumer(graph: torch.fx.Graph, tap: Node, geometry: _Geometry, requir
         _refuse_split(k, split_ops, geometry)
     broke = graph_end is not None and graph_end.reason is not None
     if not found and (broke or not geometry.has_attn_res and _passes_through(tap)):
-        raise AuxCaptureError(_graph_break_message(k, graph_end))
+        known = graph_end if graph_end is not None else GraphEnd()
+        raise AuxCaptureError(msg.graph_break(k, known.reason, known.where))
     # Without the graph's end from Dynamo (the pass installed alone), a break is possible.
-    maybe_break = "" if graph_end is not None else (
-        ". Or the graph ends at a graph break before the tap's consumer: "
-        "torch.compile(..., fullgraph=True) raises at a break, TORCH_LOGS=graph_breaks lists "
-        "them; remove it")
+    maybe_break = "" if graph_end is not None else msg.MAYBE_BREAK
     if not geometry.has_attn_res:
-        raise AuxCaptureError(
-            f"capture id {k}: the aux tap marker has no AttnRes op to mix with in this graph "
-            "(no kimi.attn_res / attn_res_mix call); the aux-stream pass only applies to "
-            "AttnRes models: call the mixing through torch.ops.kimi.attn_res, or compile "
-            "with aux_stream='prefix' if the legacy value is what the drafter wants" +
-            maybe_break
-        )
+        raise AuxCaptureError(msg.no_attn_res(k, maybe_break))
     if not found:
         end = geometry.last_layer + 1 if geometry.last_layer is not None else "?"
-        raise AuxCaptureError(
-            f"capture id {k} has no consumer in this graph ({geometry.stage()}): the layer "
-            f"that reads it lives on the next pipeline stage (the tap at layer {end}). Its "
-            "mixture cannot be computed here and falling back to the running prefix would "
-            "silently feed the drafter a different value. Remedy: drop capture id "
-            f"{k} on this stage and tap it on the stage that owns layer {k} (as its first "
-            "layer's capture id), or compile with aux_stream='prefix' if the drafter was "
-            "trained on the prefix stream" + maybe_break
-        )
+        raise AuxCaptureError(msg.next_stage(k, geometry.stage(), end, maybe_break))
     if len(found) > 1:
-        names = ", ".join(f.describe() if isinstance(f, AttnResCall) else f.name for f in found)
-        raise AuxCaptureError(
-            f"capture id {k}: the tapped value is mixed by {len(found)} AttnRes calls "
-            f"({names}) in the {geometry.stage()}; a tap must have one consumer: tap the "
-            "value right before the layer that reads it"
-        )
+        names = [f.describe() if isinstance(f, AttnResCall) else f.name for f in found]
+        raise AuxCaptureError(msg.many_consumers(k, names, geometry.stage()))
     consumer = found[0]
     if isinstance(consumer, AttnResCall):
         _check_consumer(k, consumer, geometry)
@@ -486,67 +406,26 @@ def _passes_through(tap: Node) -> bool:
     return all(u.op == "output" for u in [*tap.users, *readers])
 
 
-def _graph_break_message(k: int, end: GraphEnd | None) -> str:
-    where = (f", at a Dynamo graph break ({end.reason}; at {end.where})"
-             if end is not None and end.reason is not None else
-             ": this graph only hands the tapped value on, so a graph break (here or in the "
-             "function that calls this one) put the tap and its consumer in different graphs")
-    return (
-        f"capture id {k} has no consumer in this graph: the graph ends before the tap's "
-        f"consumer{where}. The AttnRes call that reads the tap runs in another graph, and "
-        "the tap's mixture cannot be computed here. Remedy: remove the graph break "
-        "(torch.compile(..., fullgraph=True) raises at it; TORCH_LOGS=graph_breaks lists "
-        "every break); if the model has no AttnRes op, compile with aux_stream='prefix'")
-
-
 def _check_consumer(k: int, call: AttnResCall, geometry: _Geometry) -> None:
     nb = call.arg("num_blocks")
     where = geometry.stage()
     if call.layer is not None and (call.layer != k or not geometry.pre_attention(call)):
         role = "pre-attention" if geometry.pre_attention(call) else "pre-MLP"
-        raise AuxCaptureError(
-            f"capture id {k} contradicts its consumer: the tapped value is read by layer "
-            f"{call.layer}'s {role} mixing in the {where}, so it is what layer {call.layer} "
-            f"reads, not layer {k}. Remedy: place the tap right before layer {k}'s "
-            f"pre-attention AttnRes call, or use capture id {call.layer}"
-        )
+        raise AuxCaptureError(msg.wrong_layer(k, call.layer, role, where))
     if call.layer is None and geometry.last_layer is not None and k != geometry.last_layer + 1:
-        raise AuxCaptureError(
-            f"capture id {k} contradicts its consumer: the tapped value is read by the output "
-            f"aggregation of the {where}, which is capture id {geometry.last_layer + 1}. "
-            "Remedy: tap the output aggregation with capture id num_layers"
-        )
+        raise AuxCaptureError(msg.wrong_aggregation_id(k, where, geometry.last_layer + 1))
     S = geometry.block_size
     if S is not None and nb != cdiv(k, S):
-        raise AuxCaptureError(
-            f"capture id {k} contradicts its consumer {call.describe()} in the {where}: "
-            f"with block size {S}, what layer {k} reads mixes cdiv({k}, {S}) = {cdiv(k, S)} "
-            f"completed blocks, but the consumer mixes num_blocks={nb}. Remedy: pass "
-            f"num_blocks=cdiv(i, block_size) for layer i, or fix the tap's capture id"
-        )
+        raise AuxCaptureError(msg.wrong_num_blocks(k, call.describe(), where, S, cdiv(k, S), nb))
 
 
 def _refuse_split(k: int, split_ops: tuple[str, ...], geometry: _Geometry) -> None:
     """No consumer in one piece of a graph split at ``split_ops`` (vLLM piecewise)."""
     kimi_ops = [op for op in split_ops if op.split(".")[0].startswith("kimi::")]
     if kimi_ops:
-        raise AuxCaptureError(
-            f"capture id {k} has no consumer in this graph: vLLM's piecewise compilation "
-            f"split the model at splitting_ops {list(split_ops)}, and {kimi_ops} puts each "
-            "AttnRes call in a piece of its own that Inductor does not compile, away from "
-            "the tap that reads its mixture. Remedy: do not split at kimi AttnRes ops: "
-            f"remove {kimi_ops} from CompilationConfig.splitting_ops (vLLM's default, its "
-            "attention ops, keeps each tap with its consumer)"
-        )
+        raise AuxCaptureError(msg.split_at_kimi_ops(k, split_ops, kimi_ops))
     if geometry.first_layer is not None and geometry.last_layer is not None:
-        where = f"AttnRes calls of layers [{geometry.first_layer}, {geometry.last_layer + 1})"
+        holds = f"AttnRes calls of layers [{geometry.first_layer}, {geometry.last_layer + 1})"
     else:
-        where = "AttnRes calls" if geometry.has_attn_res else "no AttnRes op"
-    raise AuxCaptureError(
-        f"capture id {k} has no consumer in this graph (it holds {where}), one piece of vLLM's "
-        f"piecewise split at splitting_ops {list(split_ops)}. Either a splitting op sits "
-        "between the tap and the AttnRes call that reads it (remedy: tap right before that "
-        "call, with no splitting op in between), or the consumer runs on the next "
-        f"pipeline stage (remedy: tap capture id {k} on the stage that owns layer {k}); "
-        "or compile with aux_stream='prefix' if the drafter was trained on the prefix stream"
-    )
+        holds = "AttnRes calls" if geometry.has_attn_res else "no AttnRes op"
+    raise AuxCaptureError(msg.split_piece(k, holds, split_ops))

@@ -1,33 +1,22 @@
 """Unmarked aux captures: returned values that are an AttnRes consumer's legacy input.
 
-Model code that taps aux hidden states without ``kimi_passes.aux_tap`` (vLLM's own K3
-forward) returns them: a list of values the graph outputs. A returned value (an output,
-or a view or copy of one) is a capture when it is exactly what a *capture consumer* of
-the same graph receives as its legacy input:
+Model code that taps without ``kimi_passes.aux_tap`` (vLLM's own K3 forward) returns the
+values. A returned value (an output, or a view or copy of one) is a capture when it is
+exactly what a *capture consumer* of the same graph receives as its legacy input:
 
 - ``prefix + delta`` as that call receives them, in either operand order, rounded as the
-  kernel's own prefix add rounds (the sum in the consumer's prefix dtype; see
-  ``fx_toolkit.sum_operands``), or the prefix itself when the call has no delta and mixes
-  zero blocks (capture id 0, the embedding: a stage's running prefix handed on from one
-  piece of a split graph to the next is no capture);
-- or the output of a *pure mixing call* (no delta, no block write, no output norm) that
-  reads the same sources as a capture consumer: its prefix is that sum, its bank the
-  consumer's bank, and it has the consumer's weights, ``num_blocks`` and eps. That is
-  vLLM's capture with ``VLLM_KIMI_K3_AUX_ATTN_RES_STREAM=1``: the same mixture, read from
-  the bank a second time.
+  kernel's own prefix add rounds (``fx_toolkit.sum_operands``), or the prefix itself when
+  the call has no delta and mixes zero blocks (capture id 0, the embedding);
+- or the output of a *pure mixing call* (no delta, no block write, no output norm) over
+  the same sources, weights, ``num_blocks`` and eps as a capture consumer: vLLM's capture
+  with ``VLLM_KIMI_K3_AUX_ATTN_RES_STREAM=1``, the same mixture read a second time.
 
-Capture consumers are the calls whose input a capture id names: layer ``k``'s
-pre-attention mixing (the first AttnRes call traced inside ``layers.k``: capture id ``k``)
-and the output aggregation (a call outside every layer: capture id ``L``, the graph's last
-layer + 1). The pre-MLP mixing is not one: its input is no capture. The consumer is found
-by its arguments, never by where the returned value was computed (vLLM's capture code runs
-outside ``layers.N``). A returned value no consumer of the graph reads (a non-final
-stage's carry, whose consumer is on the next stage) is not a capture.
-
-Values are compared through copies and views (``root``, ``same_view``) and through the
-outputs of calls that leave a mutated argument as it was (``settled``): a call with no
-delta returns its prefix unchanged, and one with no block write its bank, so the bank a
-pure call reads and the bank its consumer reads (the pure call's bank output) are one.
+Capture consumers: layer ``k``'s pre-attention mixing (the first AttnRes call traced in
+``layers.k``: capture id ``k``) and the output aggregation (outside every layer: capture
+id ``L``). The consumer is found by its arguments, never by where the returned value was
+computed. Values are compared through copies and views (``root``, ``same_view``) and
+through call outputs that leave a mutated argument as it was (``settled``). The rule:
+docs/design.md section 4, "The recognition rule".
 """
 
 from __future__ import annotations
@@ -41,6 +30,7 @@ from torch.fx import Node
 
 from kimi_passes.fx.fx_toolkit import COPIES, dtype_of, root, sum_operands
 from kimi_passes.fx.kimi_calls import AttnResCall
+from kimi_passes.taps import messages as msg
 
 aten = torch.ops.aten
 
@@ -72,7 +62,7 @@ class Capture:
 
     def describe(self) -> str:
         what = (f"{self.value.name} (a pure attn_res mixing call)" if self.pure is not None
-                else f"returned value {self.value.name}")
+                else msg.returned_value(self.value.name))
         return f"{what}, read by {self.consumer.describe()}"
 
 
@@ -139,14 +129,13 @@ def find_captures(graph: torch.fx.Graph, calls: list[AttnResCall]) -> Captures:
             continue
         if value in pure_of_many:
             p, many = pure_of_many[value]
-            ambiguous.append((f"returned value {value.name} (a pure attn_res mixing call "
-                              f"{p.node.name})", many))
+            ambiguous.append((msg.returned_value(value.name, p.node.name), many))
             continue
         matches = [c for c in consumers if _returns_input(c, value, by_node)]
         if len(matches) == 1:
             found.append(Capture(matches[0], capture_id(matches[0]), value, None, where))
         elif matches:
-            ambiguous.append((f"returned value {value.name}", matches))
+            ambiguous.append((msg.returned_value(value.name), matches))
     return Captures(found, merged_calls, ambiguous)
 
 

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 from collections import Counter
 
-from kimi_passes.config.drafter import PLUS_ONE, DrafterTaps
+from kimi_passes.config.drafter import DrafterTaps
 from kimi_passes.errors import AuxCaptureError
+from kimi_passes.taps import messages as msg
 
 
 class DrafterCheck:
@@ -62,67 +63,12 @@ class DrafterCheck:
         exempt = {num_layers} if self.drafter.final_state_separate else set()
         extra = sorted(here - self.declared - exempt)
         if missing or extra or earlier:
-            raise AuxCaptureError(self._message(missing, earlier, extra, here, exempt, geometry))
+            holds = msg.graph_holds(first, last, geometry.has_output_aggregation)
+            raise AuxCaptureError(msg.not_served(self.drafter, missing, earlier, extra, here,
+                                                 exempt, holds))
         if num_layers is not None:
             beyond = sorted(k for k in self.declared if k > num_layers)
             if beyond:
-                raise AuxCaptureError(
-                    f"the drafter declares capture ids {beyond} ({self.drafter.describe()}) "
-                    f"but the model has num_layers={num_layers} (the {geometry.stage()}): "
-                    f"capture ids run from 0 (the embedding) to {num_layers} (what the final "
-                    "norm reads). The drafter was trained on another target model: serve it "
-                    "with that model, or use a drafter trained on this one")
+                raise AuxCaptureError(msg.beyond_num_layers(self.drafter, beyond, num_layers,
+                                                            geometry.stage()))
         self.served |= here
-
-    def _message(self, missing, earlier, extra, here, exempt, geometry) -> str:
-        d = self.drafter
-        parts = []
-        if missing:
-            parts.append(f"declared but not tapped: {missing} (this graph holds the AttnRes "
-                         "call that reads each of them)")
-        if earlier:
-            parts.append(f"declared but not tapped: {earlier} (read by the graph compiled "
-                         "just before this one, which did not tap it)")
-        if extra:
-            parts.append(f"tapped but not declared: {extra}")
-        hint = _shift_hint(d, missing, sorted(here - exempt))
-        final = (f" ({d.format} drafters take capture id num_layers separately: a tap there "
-                 "need not be declared.)") if d.final_state_separate else ""
-        return (
-            f"the compiled graph does not serve the drafter's inputs: the drafter declares "
-            f"capture ids {list(d.capture_ids)} ({d.describe()}); this graph "
-            f"({_holds(geometry)}) taps {sorted(here)}: " + "; ".join(parts) + "." + hint +
-            final + " A drafter fed other layers than it was trained on runs and silently "
-            "loses acceptance. Remedy: give the model the drafter's capture ids as its aux "
-            "layer ids (vLLM sets them from the drafter config), or serve the drafter trained "
-            "on this model's taps")
-
-
-def _holds(geometry) -> str:
-    """What a graph holds, in words (a whole stage, a piece of a split, a fragment)."""
-    if geometry.first_layer is None:
-        return ("the output aggregation" if geometry.has_output_aggregation
-                else "no AttnRes call with a layer index")
-    span = (f"layer {geometry.first_layer}" if geometry.first_layer == geometry.last_layer
-            else f"layers {geometry.first_layer} to {geometry.last_layer}")
-    tail = " and the output aggregation" if geometry.has_output_aggregation else ""
-    return f"AttnRes calls of {span}{tail}"
-
-
-def _shift_hint(d: DrafterTaps, missing: list[int], taps: list[int]) -> str:
-    """Name an off-by-one: the graph's taps are the declared ids shifted by one."""
-    if not missing:
-        return ""
-    for shift in (-1, 1):
-        shifted = sorted(k + shift for k in d.capture_ids)
-        if taps and all(k in shifted for k in taps) and sorted(taps) != sorted(d.capture_ids):
-            if shift == 1:
-                why = "the model was given capture ids + 1: a layer id list converted twice"
-            elif d.convention == PLUS_ONE:
-                why = (f"{d.key} holds layer ids, capture id = layer id + 1, and the model "
-                       "was given the layer ids as capture ids")
-            else:
-                why = ("the model was given layer ids (capture id - 1) where the drafter "
-                       "names capture ids")
-            return f" The taps are the declared ids {shift:+d}: off by one ({why})."
-    return ""

@@ -3,27 +3,16 @@
 Invariant, per graph the ``kimi`` backend or the aux-stream pass sees (raised as
 ``AuxCaptureError``, before any rewrite): under the ``"attn_res"`` stream no node calls
 vLLM's K3 ``attn_res`` as vLLM ships it. The kimi passes recognise aux captures only
-around ``kimi::attn_res``; a K3 forward whose ``attn_res`` was not routed to it
-(``kimi_passes.vllm.k3_route``) keeps vLLM's captures, the running prefix (the legacy stream),
-and the drafter would silently lose acceptance. Under the ``"prefix"`` stream vLLM's
-values are the ones asked for: nothing is checked.
+around ``kimi::attn_res``; an unrouted K3 forward (``kimi_passes.vllm.k3_route`` routes
+it) keeps vLLM's captures, the legacy running prefix, and the drafter would silently lose
+acceptance. Under the ``"prefix"`` stream nothing is checked.
 
-vLLM's ``attn_res`` reaches a graph in one of two forms:
-
-- its Triton launch, which Dynamo records as the higher-order op
-  ``triton_kernel_wrapper_mutation`` (functionalized: ``triton_kernel_wrapper_functional``)
-  whose ``kernel_idx`` names, in ``kernel_side_table``, the JIT function
-  ``_attn_res_kernel`` defined in ``vllm/models/kimi_k3/{nvidia,amd}/ops/attn_res.py``;
-- on SM100, vLLM's compiled op ``_C::kimi_k3_attn_res`` (called directly, or
-  functionalized as ``auto_functionalized(_v2)``).
-
-Before (refused under the attn_res stream)::
-
-    triton_kernel_wrapper_functional(kernel_idx=<vLLM's _attn_res_kernel>, ...)
-    output = [..., prefix_plus_pending]      # capture: the legacy prefix
-
-After: nothing is rewritten; the error names the calls found and the switch
-(``$KIMI_PASSES_AUX_STREAM``, ``VLLM_PLUGINS``) that routes them.
+vLLM's ``attn_res`` reaches a graph as its Triton launch (the higher-order op
+``triton_kernel_wrapper_mutation`` / ``_functional`` whose ``kernel_idx`` names vLLM's
+``_attn_res_kernel`` in ``kernel_side_table``), or on SM100 as vLLM's compiled op
+``_C::kimi_k3_attn_res`` (called directly or through ``auto_functionalized(_v2)``).
+Nothing is rewritten: the error names the calls found and the switch that routes them.
+docs/design.md section 4.
 """
 
 from __future__ import annotations
@@ -32,8 +21,8 @@ import os
 
 import torch
 
-from kimi_passes.config.stream import ENV_VAR
 from kimi_passes.errors import AuxCaptureError
+from kimi_passes.taps import messages as msg
 
 #: Where vLLM 0.33.0 defines its K3 ``attn_res`` kernel (source files, module names).
 KERNEL_FILES = ("vllm/models/kimi_k3/nvidia/ops/attn_res.py",
@@ -108,16 +97,4 @@ def check_unrouted(graph: torch.fx.Graph, stream: str) -> None:
     found = unrouted_calls(graph)
     if not found:
         return
-    shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
-    raise AuxCaptureError(
-        f"kimi_passes: the compiled graph calls vLLM's Kimi K3 attn_res as vLLM ships it "
-        f"({len(found)} call(s): {shown}), not kimi::attn_res. The kimi passes see only "
-        "kimi::attn_res, so this K3 forward's aux captures would stay vLLM's running prefix "
-        "(the legacy stream) although the attn_res stream is requested, and the drafter "
-        f"would silently lose acceptance. Remedy: start vLLM with ${ENV_VAR}=attn_res set "
-        "(kimi_passes' vllm.general_plugins entry point then routes vLLM's attn_res to "
-        "kimi::attn_res before the model is built; if $VLLM_PLUGINS is set, it must list "
-        "kimi_passes; without the package metadata call kimi_passes.vllm.k3_route.register() "
-        "after importing vLLM), or request aux_stream='prefix' to serve vLLM's own values. "
-        "Serving no drafter, the kimi passes have nothing to do in this graph: compile with "
-        "backend='inductor'. docs/reference.md, \"vLLM's Kimi K3\"")
+    raise AuxCaptureError(msg.unrouted(found))

@@ -2,31 +2,22 @@
 
 Invariant: when a compiled graph needs a backward, every AttnRes mixture the fusion pass
 recognises is a ``kimi.attn_res_mix`` / ``attn_res_mix_list`` call *before* AOTAutograd
-differentiates the graph. The forward graph then calls the kimi op and the backward graph
-its registered backward (``kimi.attn_res_mix_backward`` / ``attn_res_mix_list_backward``,
-ops/backward.py); neither holds the plain-torch mixture, its derivative, or the keys and
-probabilities it would save. Fusing post-grad, as for inference, cannot do this:
-AOTAutograd has by then written the backward from the plain-torch nodes, so the forward
-would be fused and the backward would still recompute or load the stacked sources.
+differentiates the graph, so the backward graph calls the op's registered backward
+(``kimi.attn_res_mix_backward`` / ``attn_res_mix_list_backward``) and holds neither the
+plain-torch derivative nor the stacked sources it would save. Post-grad fusion cannot:
+AOTAutograd has by then written the backward from the plain-torch nodes.
 
 How: ``training.trace`` traces Dynamo's torch-level graph to a functional ATen graph below
-autograd (the ops AOTAutograd would differentiate, op for op); the fusion pass rewrites that
-graph; ``compile_fx`` gets it in place of Dynamo's.
+autograd; the fusion pass rewrites it; ``compile_fx`` gets it in place of Dynamo's::
 
-    Dynamo graph (torch level)          traced, then fused (ATen)
-    stack = torch.stack([x0, x1])       m = kimi.attn_res_mix_list([x0, x1], None, w, 1e-6)
-    k = F.rms_norm(stack, (H,))         ... the rest of the graph, op for op
-    p = einsum(k, w).softmax(0)
-    h = einsum(p, stack)
-    forward (post-grad):  attn_res_mix_list(...)
-    backward (post-grad): attn_res_mix_list_backward(grad, [x0, x1], None, w, 1e-6, ...)
+    stack = torch.stack([x0, x1])       ->  m = kimi.attn_res_mix_list([x0, x1], None, w, eps)
+    p = einsum(F.rms_norm(stack, (H,)), w).softmax(0);  h = einsum(p, stack)
+    backward (post-grad): attn_res_mix_list_backward(grad, [x0, x1], None, w, eps, ...)
 
-Refusals: the graph is compiled unfused (exactly what plain Inductor would compile, plus
-the aux-stream pass) with a WARNING on logger ``kimi_passes`` naming the reason, when it
-changes the grad mode (``make_fx`` would bake the mode into the trace and AOTAutograd would
-then differentiate through a ``no_grad`` region), holds a higher-order op (their autograd
-is not reproduced by tracing below it), or cannot be traced. Nothing in such a graph is
-fused post-grad either: that would bring back the duplicate backward.
+Refused, the graph compiled unfused (plain Inductor plus the aux-stream pass) with a
+WARNING naming the reason: a graph that changes the grad mode, holds a higher-order op,
+or cannot be traced. Nothing in it is fused post-grad either (that would bring back the
+duplicate backward). docs/design.md section 7.
 """
 
 from __future__ import annotations
