@@ -39,8 +39,8 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from .attn_res_args import MixBackwardArgs
+from .checks import AttnResArgumentError
 from .triton_chunked import jit
-from .validate import AttnResArgumentError, validate_mix_backward
 
 INTERPRETED = not isinstance(tl.sum, JITFunction)
 
@@ -287,11 +287,9 @@ def launch_config(H: int, dtype: torch.dtype, aligned: bool = True, slots: int =
                          num_warps=min(_num_warps(block_h), MAX_THREADS // warp_size))
 
 
-def attn_res_mix_backward_triton(*args, **kwargs):
-    """``kimi::attn_res_mix_backward`` on the tensors' device (its arguments, positional or
-    by name): ``(dprefix, dblocks, dw)``."""
-    b = MixBackwardArgs(*args, **kwargs)
-    validate_mix_backward(b)
+def launch_backward(b: MixBackwardArgs):
+    """``kimi::attn_res_mix_backward`` of the checked record ``b`` (``mix.py``) on the
+    tensors' device: ``(dprefix, dblocks, dw)``."""
     for name, t in zip(b._fields, b.tensors, strict=False):  # the tensors are the first fields
         if t.shape[-1] > 1 and t.stride(-1) != 1:
             raise AttnResArgumentError(
