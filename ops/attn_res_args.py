@@ -14,16 +14,12 @@
   which gradients to compute. Where records overlap they agree, checked at import.
 
 Each argument is spelled here only. The ops' schemas are inferred from these records
-(``record_signature``: ``torch.library`` reads an op's schema off its function's
-signature), and every other function of the family (fake, CPU and CUDA kernels, checks,
-autograd, the reference and differentiable statements, the lowering's statements) takes
-or builds the record, so the order, the names, the types and the defaults live in one
-place. The registered schemas are pinned in tests/test_ops.py: reordering the fields is
-an ABI change, seen there.
-
-A ``NamedTuple``: built for every eager call, it costs one tuple, and ``*record`` gives
-the op's positional arguments back. The tensor fields come first in every record
-(``tensors``).
+(``record_signature``, ``schema_fields``), and every other function of the family
+(kernels, checks, autograd, reference, the lowering's statements, the vLLM route) takes
+or builds the record. The schemas are pinned in tests/test_ops.py: reordering the
+fields is an ABI change, seen there. A ``NamedTuple``: built for every eager call, it
+costs one tuple; ``*record`` (``to_args()`` for the quant's) gives the op's positional
+arguments back. The tensor fields come first in every record (``tensors``).
 """
 
 from __future__ import annotations
