@@ -5,26 +5,21 @@
   no delta, no block write and no output norm (``PURE_MIXTURE``). ``AttnResArgs.mix``
   takes ``MixArgs``' fields and builds that form of ``AttnResArgs``, which the checks,
   the CPU path and the Triton launch take; ``MixArgs.part_of`` goes the other way;
-- ``AttnResQuantArgs``: ``kimi::attn_res_quant`` / ``attn_res_quant_capture``: ``AttnResArgs``'
-  ten fields, then the per-token FP8 quantization of the output (``quant_dtype`` and the
-  constants that pick whose quant it reproduces: docs/design.md, "FP8 output quant");
-  ``.base`` is its ``AttnResArgs``;
+- ``AttnResQuantArgs``: ``kimi::attn_res_quant`` / ``attn_res_quant_capture``: an
+  ``AttnResArgs`` (``base``), then the per-token FP8 quant's fields; the op's flat
+  argument list is ``base``'s ten then those (``from_args`` / ``to_args``);
 - ``MixListArgs``: ``kimi::attn_res_mix_list`` (a list of sources, no bank);
 - ``MixBackwardArgs`` / ``MixListBackwardArgs``: the two backward ops: ``grad``, then the
   forward's fields (the list's but ``out_dtype``: ``grad`` has the output's dtype), then
   which gradients to compute. Where records overlap they agree, checked at import.
 
 Each argument is spelled here only. The ops' schemas are inferred from these records
-(``record_signature``: ``torch.library`` reads an op's schema off its function's
-signature), and every other function of the family (fake, CPU and CUDA kernels, checks,
-autograd, the reference and differentiable statements, the lowering's statements) takes
-or builds the record, so the order, the names, the types and the defaults live in one
-place. The registered schemas are pinned in tests/test_ops.py: reordering the fields is
-an ABI change, seen there.
-
-A ``NamedTuple``: built for every eager call, it costs one tuple, and ``*record`` gives
-the op's positional arguments back. The tensor fields come first in every record
-(``tensors``).
+(``record_signature``, ``schema_fields``), and every other function of the family
+(kernels, checks, autograd, reference, the lowering's statements, the vLLM route) takes
+or builds the record. The schemas are pinned in tests/test_ops.py: reordering the
+fields is an ABI change, seen there. A ``NamedTuple``: built for every eager call, it
+costs one tuple; ``*record`` (``to_args()`` for the quant's) gives the op's positional
+arguments back. The tensor fields come first in every record (``tensors``).
 """
 
 from __future__ import annotations
@@ -91,8 +86,9 @@ PURE_MIXTURE = {"delta": None, "output_norm_weight": None, "block_write_idx": -1
 
 
 class AttnResQuantArgs(NamedTuple):
-    """``kimi::attn_res_quant`` / ``attn_res_quant_capture``'s arguments in schema order:
-    ``AttnResArgs``' fields, then the quant's (docs/design.md, "FP8 output quant").
+    """``kimi::attn_res_quant`` / ``attn_res_quant_capture``'s arguments: ``kimi::attn_res``'s
+    record ``base``, then the per-token FP8 quant's fields, in schema order (the op takes
+    them flat: ``from_args`` / ``to_args``; docs/design.md, "FP8 output quant").
 
     The defaults are vLLM's AMD K3 kernel's quant (``scale = max(amax, 1e-10) * (1 / qmax)``);
     ``amax_floor=0.0, scale_floor=1 / (qmax * 512), divide=True`` (and ``scale_ub``) are
@@ -100,16 +96,7 @@ class AttnResQuantArgs(NamedTuple):
     with ``divide_values=True`` vLLM's CUDA op ``_C::dynamic_per_token_scaled_fp8_quant``.
     """
 
-    prefix: torch.Tensor  # [T, H], updated in place by delta
-    delta: torch.Tensor | None  # [T, H]
-    blocks: torch.Tensor  # [T, NB, H], slot block_write_idx written in place
-    norm_weight: torch.Tensor  # [H]
-    qk_weight: torch.Tensor  # [H]
-    output_norm_weight: torch.Tensor | None  # [H]
-    num_blocks: int  # slots mixed: blocks[:, :num_blocks], then prefix
-    block_write_idx: int  # -1: no write
-    eps: float
-    output_norm_eps: float
+    base: AttnResArgs  # the unquantized call: kimi::attn_res's ten arguments
     quant_dtype: torch.dtype  # torch.float8_e4m3fn or torch.float8_e4m3fnuz
     quant_max: float = 0.0  # the fp8 bound; 0: 448 (e4m3fn) or 224 (e4m3fnuz), vLLM's
     amax_floor: float = 1e-10  # amax = max(amax, amax_floor), before the division
@@ -118,16 +105,24 @@ class AttnResQuantArgs(NamedTuple):
     scale_ub: torch.Tensor | None = None  # [1] fp32: amax = min(amax, scale_ub) first
     divide_values: bool = False  # data = y / scale (True) or y * (1 / scale) (False)
 
-    @property
-    def base(self) -> AttnResArgs:
-        """The unquantized call: ``kimi::attn_res``'s record (the first ten fields)."""
-        return AttnResArgs._make(self[:10])
+    @classmethod
+    def from_args(cls, *args, **kwargs) -> AttnResQuantArgs:
+        """The record of the op's flat arguments (positional in schema order, or by name)."""
+        n = len(AttnResArgs._fields)
+        if not kwargs:  # the dispatcher's form: every kernel call
+            return cls(AttnResArgs._make(args[:n]), *args[n:])
+        base = {k: kwargs.pop(k) for k in AttnResArgs._fields if k in kwargs}
+        return cls(AttnResArgs(*args[:n], **base), *args[n:], **kwargs)
+
+    def to_args(self) -> tuple:
+        """The op's flat positional arguments, in schema order."""
+        return (*self.base, *self[1:])
 
     @property
     def tensors(self) -> tuple[torch.Tensor | None, ...]:
-        """The tensor arguments of the mixture (the first six fields; None where absent);
-        ``scale_ub`` is apart (fp32, whatever the sources' dtype)."""
-        return self[:6]
+        """The tensor arguments of the mixture (``base.tensors``); ``scale_ub`` is apart
+        (fp32, whatever the sources' dtype)."""
+        return self.base.tensors
 
 
 class MixListArgs(NamedTuple):
@@ -215,17 +210,31 @@ class MixListBackwardArgs(NamedTuple):
         return self[:4]
 
 
+def schema_fields(record) -> list[inspect.Parameter]:
+    """The op arguments ``record`` stands for, in schema order, with their types and
+    defaults: its fields, a field that holds a record (``AttnResQuantArgs.base``) spelled
+    out as that record's."""
+    hints, defaults = typing.get_type_hints(record), record._field_defaults
+    params: list[inspect.Parameter] = []
+    for name in record._fields:
+        if hasattr(hints[name], "_fields"):  # a nested record
+            params += schema_fields(hints[name])
+            continue
+        params.append(inspect.Parameter(
+            name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=hints[name],
+            default=defaults.get(name, inspect.Parameter.empty)))
+    return params
+
+
 def _check_records() -> None:
     """The records agree where they overlap: a backward holds its forward's fields in the
     forward's order and types, and ``MixArgs`` is ``AttnResArgs`` but ``PURE_MIXTURE``."""
     def fields(record, drop=()):
-        hints = typing.get_type_hints(record)
-        return [(n, hints[n]) for n in record._fields if n not in drop]
+        return [(p.name, p.annotation) for p in schema_fields(record) if p.name not in drop]
 
     pairs = [(fields(MixBackwardArgs)[1:1 + len(MixArgs._fields)], fields(MixArgs)),
              (fields(MixListBackwardArgs)[1:5], fields(MixListArgs, drop=("out_dtype",))),
-             (fields(AttnResArgs, drop=tuple(PURE_MIXTURE)), fields(MixArgs)),
-             (fields(AttnResQuantArgs)[:len(AttnResArgs._fields)], fields(AttnResArgs))]
+             (fields(AttnResArgs, drop=tuple(PURE_MIXTURE)), fields(MixArgs))]
     for got, want in pairs:
         if got != want:
             raise TypeError(f"ops/attn_res_args.py: records disagree: {got} != {want}")
@@ -235,17 +244,14 @@ _check_records()
 
 
 def record_signature(record, returns):
-    """Decorate a ``*args`` op function with ``record``'s fields as its signature.
+    """Decorate a ``*args`` op function with ``record``'s fields (``schema_fields``) as its
+    signature.
 
     ``torch.library`` infers the schema from ``inspect.signature`` of the function, which
     reads ``__signature__``: the schema then takes the record's names, types, order and
     defaults.
     """
-    hints, defaults = typing.get_type_hints(record), record._field_defaults
-    signature = inspect.Signature(
-        [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=hints[name],
-                           default=defaults.get(name, inspect.Parameter.empty))
-         for name in record._fields], return_annotation=returns)
+    signature = inspect.Signature(schema_fields(record), return_annotation=returns)
 
     def decorate(fn):
         fn.__signature__ = signature

@@ -1,6 +1,5 @@
-"""Backward of the AttnRes mixture: ``kimi::attn_res_mix_backward`` and
-``kimi::attn_res_mix_list_backward``, and the autograd formulas of ``attn_res_mix`` /
-``attn_res_mix_list`` that call them.
+"""The backward math of the AttnRes mixture: the CPU kernels of ``kimi::attn_res_mix_backward``
+(``mix.py``) and ``kimi::attn_res_mix_list_backward`` (``mix_list.py``, any device).
 
 Per row, with sources ``v_j`` (``j < n``), folded query ``w = norm_weight * qk_weight``:
 
@@ -15,34 +14,19 @@ Given ``g = dL/dout``:
     dw       = sum over rows and sources of a_j v_j
     d(norm_weight) = dw * qk_weight;  d(qk_weight) = dw * norm_weight
 
-(the last term of ``dv_j`` is the key-norm path: ``dr_j/dv_j = -r_j^3 v_j / H``).
-
-Nothing is saved by the forward beyond its inputs (which autograd holds anyway): the
-backward recomputes the ``[n]`` logits of a row from the sources, which it has to read
-for ``<g, v_j>`` regardless. So no ``[T, n, H]`` keys and no ``[T, n]`` statistics live
-between forward and backward. The CPU path stages a chunk of rows of all sources in one
-cache-sized buffer (one read of each source from memory) and runs both passes (logits
-and ``<g, v_j>``, then ``dv`` and ``dw``) on it, writing each ``dv_j`` straight into its
-destination; the Triton kernel
-(``triton_backward.py``) reads each source twice. Accumulation is fp32 (fp64 for fp64
-inputs, which only the tests' gradcheck passes; the ops themselves take the forward's
-dtypes). Gradients are rounded to each input's dtype once.
+(the last term of ``dv_j`` is the key-norm path: ``dr_j/dv_j = -r_j^3 v_j / H``). Nothing
+is saved by the forward beyond its inputs: the backward recomputes the ``[n]`` logits of
+a row from the sources, which it reads for ``<g, v_j>`` anyway. A chunk of rows of all
+sources is staged in one cache-sized buffer and both passes run on it, each ``dv_j``
+written straight into its destination. Accumulation is fp32 (fp64 for fp64 inputs, which
+only the tests' gradcheck passes); gradients are rounded to each input's dtype once.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import library as _library  # noqa: F401  (kimi::attn_res_mix, before its autograd)
-from .attn_res_args import (
-    MixArgs,
-    MixBackwardArgs,
-    MixListArgs,
-    MixListBackwardArgs,
-    record_signature,
-)
-from .mix_list import validate_mix_list_backward
-from .validate import validate_mix_backward
+from .attn_res_args import MixBackwardArgs, MixListBackwardArgs
 
 # Rows per chunk: the chunk's staged sources plus their gradients are about this many bytes.
 _CHUNK_BYTES = 8 << 20
@@ -149,69 +133,6 @@ def _or_empty(t, like):
     return like.new_empty((0,)) if t is None else t
 
 
-# --------------------------------------------------------------------------- the ops
-# Each op's schema is inferred from its record; the kernels take the schema's arguments
-# positionally and build the record.
-
-
-@torch.library.custom_op("kimi::attn_res_mix_backward", mutates_args=(), device_types="cpu")
-@record_signature(MixBackwardArgs, returns=tuple[torch.Tensor, torch.Tensor, torch.Tensor])
-def attn_res_mix_backward(*args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward of ``kimi::attn_res_mix``: ``(dprefix, dblocks, d(norm_weight*qk_weight))``."""
-    b = MixBackwardArgs(*args)
-    validate_mix_backward(b)
-    return attn_res_mix_backward_cpu(b)
-
-
-@attn_res_mix_backward.register_fake
-def _attn_res_mix_backward_fake(*args):
-    b = MixBackwardArgs(*args)
-    validate_mix_backward(b)
-    prefix = b.prefix
-    empty = prefix.new_empty((0,))
-    return (torch.empty_like(prefix) if b.need_prefix else empty,
-            torch.empty_like(b.blocks, memory_format=torch.contiguous_format)
-            if b.need_blocks else empty.clone(),
-            prefix.new_empty(prefix.shape[-1:], dtype=torch.float32)
-            if b.need_weights else empty.clone())
-
-
-@attn_res_mix_backward.register_kernel("cuda")
-def _attn_res_mix_backward_cuda(*args):
-    from .triton_backward import attn_res_mix_backward_triton
-
-    return attn_res_mix_backward_triton(*args)
-
-
-@torch.library.custom_op("kimi::attn_res_mix_list_backward", mutates_args=(),
-                         device_types=("cpu", "cuda"))
-@record_signature(MixListBackwardArgs, returns=tuple[list[torch.Tensor], torch.Tensor])
-def attn_res_mix_list_backward(*args) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Backward of ``kimi::attn_res_mix_list``: ``(dsources, d(norm_weight*qk_weight))``.
-
-    Per-source torch ops on any device (the forward is too); ``dsources`` is empty when
-    ``need_sources`` is false, ``dw`` ``[0]`` when ``need_weights`` is false.
-    """
-    b = MixListBackwardArgs(*args)
-    validate_mix_list_backward(b)
-    return attn_res_mix_list_backward_torch(b)
-
-
-@attn_res_mix_list_backward.register_fake
-def _attn_res_mix_list_backward_fake(*args):
-    b = MixListBackwardArgs(*args)
-    validate_mix_list_backward(b)
-    first = b.sources[0]
-    dsources = [torch.empty_like(s, memory_format=torch.contiguous_format)
-                for s in b.sources] if b.need_sources else []
-    dw = first.new_empty(first.shape[-1:], dtype=torch.float32) if b.need_weights else (
-        first.new_empty((0,)))
-    return dsources, dw
-
-
-# --------------------------------------------------------------------------- autograd
-
-
 def split_weight_grad(dw, norm_weight, qk_weight, need_norm, need_qk):
     """``(d norm_weight, d qk_weight)`` from ``dw = dL/d(norm_weight * qk_weight)``."""
     dnw = dqk = None
@@ -221,83 +142,3 @@ def split_weight_grad(dw, norm_weight, qk_weight, need_norm, need_qk):
         dqk = dw if norm_weight is None else dw * norm_weight.to(dw.dtype)
         dqk = dqk.to(qk_weight.dtype)
     return dnw, dqk
-
-
-def _in_order(record, grads: dict, n: int | None = None) -> tuple:
-    """The gradients of the arguments of ``record``'s op (the first ``n``), from ``grads``
-    (by argument name; None for the others)."""
-    return tuple(grads.get(name) for name in record._fields[:n])
-
-
-def _mix_setup(ctx, inputs, output):
-    a = MixArgs(*inputs)
-    ctx.save_for_backward(*a.tensors)
-    ctx.others = a[len(a.tensors):]  # the fields after the tensors
-
-
-def _mix_backward(ctx, grad):
-    a = MixArgs(*ctx.saved_tensors, *ctx.others)
-    need = dict(zip(MixArgs._fields, ctx.needs_input_grad, strict=False))
-    need_nw, need_qk = need["norm_weight"], need["qk_weight"]
-    dprefix, dblocks, dw = torch.ops.kimi.attn_res_mix_backward(*MixBackwardArgs.of(
-        grad, a, need_prefix=need["prefix"], need_blocks=need["blocks"],
-        need_weights=need_nw or need_qk))
-    dnw, dqk = split_weight_grad(dw, a.norm_weight, a.qk_weight, need_nw, need_qk)
-    return _in_order(MixArgs, {"prefix": dprefix if need["prefix"] else None,
-                               "blocks": dblocks if need["blocks"] else None,
-                               "norm_weight": dnw, "qk_weight": dqk})
-
-
-def _mix_list_setup(ctx, inputs, output):
-    a = MixListArgs(*inputs)
-    # The dispatcher drops a trailing argument equal to its default (out_dtype=None) from
-    # what autograd sees, while setup_context gets it filled back: return that many grads.
-    ctx.n_inputs = len(a) - (a.out_dtype is None)
-    ctx.n = len(a.sources)
-    ctx.need_sources = any(s.requires_grad for s in a.sources)
-    ctx.need_nw = a.norm_weight is not None and a.norm_weight.requires_grad
-    ctx.need_qk = a.qk_weight.requires_grad
-    # The sources one by one, then the other tensor fields (a None is saved as None).
-    ctx.save_for_backward(*a.sources, *a.tensors[1:])
-    ctx.others = a[len(a.tensors):]  # the fields after the tensors
-
-
-def _mix_list_backward(ctx, grad):
-    saved = ctx.saved_tensors
-    a = MixListArgs(list(saved[:ctx.n]), *saved[ctx.n:], *ctx.others)
-    dsources, dw = torch.ops.kimi.attn_res_mix_list_backward(*MixListBackwardArgs.of(
-        grad, a, need_sources=ctx.need_sources, need_weights=ctx.need_nw or ctx.need_qk))
-    dnw, dqk = split_weight_grad(dw, a.norm_weight, a.qk_weight, ctx.need_nw, ctx.need_qk)
-    return _in_order(MixListArgs, {"sources": dsources if ctx.need_sources else [None] * ctx.n,
-                                   "norm_weight": dnw, "qk_weight": dqk}, ctx.n_inputs)
-
-
-class _MixFunction(torch.autograd.Function):
-    """``attn_res_mix``'s autograd, what ``torch.library.register_autograd`` would build
-    from ``_mix_setup`` / ``_mix_backward``, in a kernel of our own
-    (``library.register_autograd_kernel``) so that a call recording no gradient runs the
-    CPU kernel with one boxing, not two (``library.below_autograd``). The dispatch keyset
-    rides last: ``needs_input_grad`` then lines up with the op's arguments."""
-
-    @staticmethod
-    def forward(ctx, *args_and_keyset):
-        *args, keyset = args_and_keyset
-        out = _library.below_autograd(_MIX, keyset, args)
-        _mix_setup(ctx, args, out)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return (*_mix_backward(ctx, grad), None)
-
-
-_MIX = torch.ops.kimi.attn_res_mix.default
-_library.register_autograd_kernel(_MIX, lambda keyset, *args: _MixFunction.apply(*args, keyset))
-torch.library.register_autograd("kimi::attn_res_mix_list", _mix_list_backward,
-                                setup_context=_mix_list_setup)
-
-
-# aux_tap is the identity in eager (a marker for the aux-stream pass), so its gradient is
-# too; without one, AOTAutograd cannot build the joint graph of a trainable model whose
-# taps are outputs.
-torch.library.register_autograd("kimi::aux_tap", lambda ctx, grad: (grad, None))

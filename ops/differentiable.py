@@ -3,7 +3,7 @@
 
 ``kimi::attn_res`` / ``attn_res_capture`` stay inference ops: torch refuses
 ``register_autograd`` on an op that mutates its inputs, and a backward through one raises
-"no autograd formula exists", naming these functions (``library.py``). These two functions
+"no autograd formula exists", naming these functions (``attn_res_ops.py``). These two functions
 take the same arguments (positional or by name) and have the same effects:
 
 - when no tensor argument requires grad (or grad mode is off) they call the op itself,
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .attn_res_args import AttnResArgs, MixArgs
-from .validate import validate_sources
+from .attn_res_ops import validate_sources
 
 
 def _wants_grad(a: AttnResArgs) -> bool:

@@ -1,13 +1,10 @@
-"""``kimi::attn_res_mix_list``: the pre-norm AttnRes mixture of a list of sources.
+"""``kimi::attn_res_mix_list`` (the mixture of a list of sources) and its backward op.
 
-    attn_res_mix_list(Tensor[] sources, Tensor? norm_weight, Tensor qk_weight, float eps,
-                      ScalarType? out_dtype=None) -> Tensor
-
-(inferred from the record ``MixListArgs``, ``ops/attn_res_args.py``, which the kernels, the
-checks and ``mix_list_torch`` take).
-
-``sources`` are ``N >= 1`` tensors of one shape ``[*, H]`` (one dtype, one device), in
-mixing order. Per row ``r`` (every index but the last), accumulating in fp32:
+Their whole registration: checks, kernels (per-source torch ops, CPU and CUDA), fake
+kernels, autograd (its backward calls ``kimi::attn_res_mix_list_backward``, whose math is
+``backward.py``'s). Arguments: ``MixListArgs`` (``sources, norm_weight, qk_weight, eps,
+out_dtype=None``). ``sources`` are ``N >= 1`` tensors of one shape ``[*, H]`` (one dtype,
+one device), in mixing order. Per row ``r`` (every index but the last), accumulating in fp32:
 
     logit_j = <s_j[r], norm_weight * qk_weight> * rsqrt(mean(s_j[r]^2) + eps)
     p = softmax_j(logit_j);   out[r] = sum_j p_j * s_j[r]
@@ -18,11 +15,10 @@ a weight (a ones vector). Weights may be in any floating dtype (math is fp32). T
 result has the sources' shape, in ``out_dtype`` (default: the sources' dtype), so a
 model that mixes in fp32 from bf16 sources keeps its fp32 mixture.
 
-This is what ``AttnResFusionPass`` emits for mixing written in plain torch over a
-python list of tensors (``torch.stack`` / ``torch.cat`` of them): the stacked copy of
-the sources is never made. The kernel reads each source in place with per-source
-reductions (one pass for the key norm and query dot, one for the weighted sum);
-low-precision sources are upcast a chunk of rows at a time.
+``AttnResFusionPass`` emits it for mixing written in plain torch over a list of tensors:
+the stacked copy of the sources is never made. The kernel reads each source in place
+(one pass for the key norm and query dot, one for the weighted sum); low-precision
+sources are upcast a chunk of rows at a time.
 """
 
 from __future__ import annotations
@@ -30,7 +26,9 @@ from __future__ import annotations
 import torch
 
 from .attn_res_args import MixListArgs, MixListBackwardArgs, record_signature
-from .validate import SUPPORTED_DTYPES, AttnResArgumentError, check_grad
+from .backward import attn_res_mix_list_backward_torch, split_weight_grad
+from .checks import SUPPORTED_DTYPES, AttnResArgumentError, check_grad
+from .library import below_autograd, register
 
 # Rows per chunk are sized so one chunk's fp32 upcast of all sources is about this many bytes.
 _CHUNK_BYTES = 4 << 20
@@ -127,11 +125,11 @@ def mix_list_torch(a: MixListArgs, chunk_rows: bool = True):
     return out32.reshape(shape).to(a.out_dtype or sources[0].dtype)
 
 
+# --------------------------------------------------------------------------- kernels
 # The kernels take the schema's arguments positionally; a trailing ``out_dtype=None`` may be
 # left off (the record's default fills it).
 
 
-@torch.library.custom_op("kimi::attn_res_mix_list", mutates_args=(), device_types="cpu")
 @record_signature(MixListArgs, returns=torch.Tensor)
 def attn_res_mix_list(*args) -> torch.Tensor:
     a = MixListArgs(*args)
@@ -139,7 +137,14 @@ def attn_res_mix_list(*args) -> torch.Tensor:
     return mix_list_torch(a)
 
 
-@attn_res_mix_list.register_fake
+def _attn_res_mix_list_cuda(*args):
+    # Per-source torch ops on the GPU (the Triton kernel reads one bank, not a list):
+    # each source is read where it lies, upcast whole; no stacked copy.
+    a = MixListArgs(*args)
+    validate_mix_list(a)
+    return mix_list_torch(a, chunk_rows=False)
+
+
 def _attn_res_mix_list_fake(*args):
     a = MixListArgs(*args)
     validate_mix_list(a)
@@ -147,10 +152,64 @@ def _attn_res_mix_list_fake(*args):
     return first.new_empty(first.shape, dtype=a.out_dtype or first.dtype)
 
 
-@attn_res_mix_list.register_kernel("cuda")
-def _attn_res_mix_list_cuda(*args):
-    # Per-source torch ops on the GPU (the Triton kernel reads one bank, not a list):
-    # each source is read where it lies, upcast whole; no stacked copy.
-    a = MixListArgs(*args)
-    validate_mix_list(a)
-    return mix_list_torch(a, chunk_rows=False)
+@record_signature(MixListBackwardArgs, returns=tuple[list[torch.Tensor], torch.Tensor])
+def attn_res_mix_list_backward(*args) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Per-source torch ops on any device (as the forward); ``dsources`` is empty when
+    ``need_sources`` is false, ``dw`` ``[0]`` when ``need_weights`` is false."""
+    b = MixListBackwardArgs(*args)
+    validate_mix_list_backward(b)
+    return attn_res_mix_list_backward_torch(b)
+
+
+def _attn_res_mix_list_backward_fake(*args):
+    b = MixListBackwardArgs(*args)
+    validate_mix_list_backward(b)
+    first = b.sources[0]
+    dsources = [torch.empty_like(s, memory_format=torch.contiguous_format)
+                for s in b.sources] if b.need_sources else []
+    dw = first.new_empty(first.shape[-1:], dtype=torch.float32) if b.need_weights else (
+        first.new_empty((0,)))
+    return dsources, dw
+
+
+# --------------------------------------------------------------------------- autograd
+
+
+class _MixListFunction(torch.autograd.Function):
+    """``attn_res_mix_list``'s autograd (as ``mix._MixFunction``). autograd sees tensors
+    only at the top level of ``apply``'s arguments: the ``n`` sources ride flat, after
+    ``n`` and the dispatch keyset, then the op's other arguments."""
+
+    @staticmethod
+    def forward(ctx, n, keyset, *flat):
+        args = (list(flat[:n]), *flat[n:])
+        out = below_autograd(torch.ops.kimi.attn_res_mix_list.default, keyset, args)
+        a = MixListArgs(*args)
+        ctx.n, ctx.n_flat = n, len(flat)
+        # The sources one by one, then the other tensor fields (a None is saved as None).
+        ctx.save_for_backward(*a.sources, *a.tensors[1:])
+        ctx.others = a[len(a.tensors):]  # the fields after the tensors
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        n, saved = ctx.n, ctx.saved_tensors
+        a = MixListArgs(list(saved[:n]), *saved[n:], *ctx.others)
+        need = ctx.needs_input_grad[2:]  # those of flat
+        need_sources, need_nw, need_qk = any(need[:n]), need[n], need[n + 1]
+        dsources, dw = torch.ops.kimi.attn_res_mix_list_backward(*MixListBackwardArgs.of(
+            grad, a, need_sources=need_sources, need_weights=need_nw or need_qk))
+        dnw, dqk = split_weight_grad(dw, a.norm_weight, a.qk_weight, need_nw, need_qk)
+        per_source = list(dsources) if need_sources else [None] * n
+        return (None, None, *per_source, dnw, dqk, *[None] * (ctx.n_flat - n - 2))
+
+
+def _record_mix_list(op, keyset, sources, *others):
+    return _MixListFunction.apply(len(sources), keyset, *sources, *others)
+
+
+attn_res_mix_list = register(attn_res_mix_list, fake=_attn_res_mix_list_fake,
+                             cuda=_attn_res_mix_list_cuda, record=_record_mix_list)
+attn_res_mix_list_backward = register(
+    attn_res_mix_list_backward, fake=_attn_res_mix_list_backward_fake,
+    cuda=attn_res_mix_list_backward)

@@ -1,34 +1,24 @@
-"""Triton kernel of ``kimi::attn_res_mix_backward`` (the math is in ``backward.py``).
+"""Triton kernel of ``kimi::attn_res_mix_backward`` (registered in ``mix.py``; the math is
+in ``backward.py``).
 
 A program owns a strided set of token rows (``row = pid, pid + G, ...``) and, per row,
 reads each source twice:
 
-1. pass 1 over the sources (``blocks[row, :num_blocks]``, then the prefix): both row
-   reductions of the forward (``<v, w>``, ``sum v^2``) and ``<g, v>`` in one pass, with
-   an online softmax (running max ``m``, sum ``l``, and ``s = sum_j e_j <g, v_j>``), so
-   ``<g, out> = s / l`` is known when the pass ends and no per-source state is kept;
-2. pass 2 re-reads each source, recomputes its logit and ``<g, v>`` (compute, no extra
-   memory traffic) and stores ``dv_j`` and/or adds ``a_j v_j`` to the program's fp32
-   ``dw`` accumulator.
+1. pass 1 over the sources (``blocks[row, :num_blocks]``, then the prefix): the forward's
+   two row reductions and ``<g, v>`` in one pass, with an online softmax (running max,
+   sum, and ``s = sum_j e_j <g, v_j>``), so ``<g, out> = s / l`` is known when it ends;
+2. pass 2 re-reads each source, recomputes its logit and ``<g, v>`` and stores ``dv_j``
+   and/or adds ``a_j v_j`` to the program's fp32 ``dw`` accumulator.
 
 The program's ``dw`` row goes to a ``[G, H]`` fp32 buffer that torch sums over ``G``:
-deterministic, no atomics. With no weight gradient asked for, ``G = T`` (a row per
-program). Slots ``>= num_blocks`` of ``dblocks`` are zero-filled by torch.
+deterministic, no atomics (``G = T`` with no weight gradient). Slots ``>= num_blocks`` of
+``dblocks`` are zero-filled by torch. Rows too wide for registers (``launch_config``;
+``tools/kernel_build.py`` finds where the row kernel would spill) run
+``_mix_bwd_chunked_kernel``: the same two passes over ``CHUNK``-wide pieces, the
+per-source scalars in ``[BLOCK_S]`` register vectors (an exact softmax, not online).
 
-Rows too wide for registers (``launch_config``; the offline build in ``tools/kernel_build.py``
-finds where the row kernel would spill) run ``_mix_bwd_chunked_kernel``: the same two
-passes, over the row in ``CHUNK``-wide pieces. Pass 1 goes source by source, each source's
-three row sums chunk by chunk; the per-source scalars (logit, rsqrt, ``<g, v>``) live in
-``[BLOCK_S]`` register vectors, as in the chunked forward, so the softmax is exact, not
-online. Pass 2 goes chunk by chunk and, inside a chunk, source by source: ``g`` and ``w``
-are loaded once per chunk, each source once, and the chunk's ``dw`` is added to the
-program's fp32 row of the ``[G, H]`` buffer (zero-filled; each element is read and written
-by the thread that owns it, in the same chunk layout every row). So a source is read twice,
-as in the row kernel, and only a chunk is live.
-
-Mode: like the forward kernel, the kernel is built in the mode ``triton.language`` was
-imported in (interpreter on CPU under ``TRITON_INTERPRET=1``, compiled on a GPU). Dtypes:
-the forward's (fp32, bf16, fp16; ``validate_mix_backward`` refuses others); math is fp32.
+Mode: as the forward kernel's (``triton_mode.py``). Dtypes: the forward's (fp32, bf16,
+fp16); math is fp32. ``launch_backward`` takes a record ``mix.validate_mix_backward`` passed.
 """
 
 from __future__ import annotations
@@ -39,8 +29,8 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from .attn_res_args import MixBackwardArgs
+from .checks import AttnResArgumentError
 from .triton_chunked import jit
-from .validate import AttnResArgumentError, validate_mix_backward
 
 INTERPRETED = not isinstance(tl.sum, JITFunction)
 
@@ -287,11 +277,9 @@ def launch_config(H: int, dtype: torch.dtype, aligned: bool = True, slots: int =
                          num_warps=min(_num_warps(block_h), MAX_THREADS // warp_size))
 
 
-def attn_res_mix_backward_triton(*args, **kwargs):
-    """``kimi::attn_res_mix_backward`` on the tensors' device (its arguments, positional or
-    by name): ``(dprefix, dblocks, dw)``."""
-    b = MixBackwardArgs(*args, **kwargs)
-    validate_mix_backward(b)
+def launch_backward(b: MixBackwardArgs):
+    """``kimi::attn_res_mix_backward`` of the checked record ``b`` (``mix.py``) on the
+    tensors' device: ``(dprefix, dblocks, dw)``."""
     for name, t in zip(b._fields, b.tensors, strict=False):  # the tensors are the first fields
         if t.shape[-1] > 1 and t.stride(-1) != 1:
             raise AttnResArgumentError(

@@ -1,33 +1,26 @@
 """Decode-shape Triton path of the AttnRes op family: each row split over several programs.
 
-The row kernel (``ops/triton_kernels.py``) runs one program per token row, so a decode step
-of T = 1..64 tokens runs on 1..64 SMs of a 132-SM H200, each pulling a whole row of every
-source (at K3's H = 7168 and 8 blocks, about 130 KB) through one SM. Here a row is cut into
-``n_splits`` column slices of ``SLICE`` elements, and a grid of ``(T, n_splits)`` programs
-runs in two or three launches:
+The row kernel (``triton_kernels.py``) runs one program per token row, so a decode step of
+T = 1..64 tokens runs on 1..64 SMs, each pulling a whole row of every source through one
+SM. Here a row is cut into ``n_splits`` column slices of ``SLICE`` elements, and a grid of
+``(T, n_splits)`` programs runs in two or three launches:
 
 A. ``_decode_stats_kernel``: per slice, the in-place effects (prefix update, block write)
-   and, for every source, the partial ``dot = <v, norm_w * qk_w>`` and ``ssq = <v, v>``,
-   stored to an fp32 workspace ``stats[T, n_splits, 2, BLOCK_S]``. The block sources are
-   loaded ``SRC_TILE`` at a time as one ``[SRC_TILE, SLICE]`` tile, so a program has every
-   byte of a tile in flight at once. The slot the block write fills is not read: its
-   partial sums are the prefix's (the slot holds the rounded prefix).
+   and, per source, the partial ``<v, norm_w * qk_w>`` and ``<v, v>`` into an fp32
+   workspace ``stats[T, n_splits, 2, BLOCK_S]``; block sources are loaded ``SRC_TILE`` at
+   a time as one tile. The slot the block write fills is not read: its partials are the
+   prefix's.
 B. ``_decode_mix_kernel``: every program of a row sums the row's partials in split order
-   (the same order in every program, so they agree on the weights bit for bit), takes the
-   logits and the softmax over depth, and mixes its slice, reading each source a second
-   time (from L2: launch A has just read it). It stores ``mixed`` and, without an output
-   norm, ``out``; with one, the fp32 mixture slice and its partial sum of squares.
-C. ``_decode_norm_kernel`` (output norm only): the row's mean square from the partials,
-   and ``out`` = the fp32 mixture times rsqrt(ms / H + eps) times the weight, as the row
-   kernel computes it.
+   (the same in every program, so they agree bit for bit), takes the softmax over depth
+   and mixes its slice, reading each source a second time (from L2). It stores ``mixed``
+   and, without an output norm, ``out``; with one, the fp32 mixture slice and its partial
+   sum of squares.
+C. ``_decode_norm_kernel`` (output norm only): ``out`` from the row's mean square.
 
-The in-place effects are elementwise and equal the row kernel's bit for bit; the outputs
-agree with it to rounding (the sums are split), at the row kernel's tolerances. A capture's
-mixture equals ``attn_res_mix`` run on the post-update state bit for bit, as on the row
-route: the skipped slot's partials are the prefix's, which a later read of the slot gives.
-
-When it runs (``takes_decode``): ``T <= DECODE_MAX_T`` and ``H >= DECODE_MIN_H``; the
-static model behind that choice is in docs/design.md ("The decode-shape launch").
+The in-place effects equal the row kernel's bit for bit; the outputs agree with it to
+rounding (the sums are split). A capture's mixture equals ``attn_res_mix`` on the
+post-update state bit for bit. When it runs (``takes_decode``): ``T <= DECODE_MAX_T`` and
+``H >= DECODE_MIN_H``; docs/design.md section 3 ("The decode-shape launch").
 """
 
 from __future__ import annotations
@@ -324,7 +317,7 @@ QUANT_KERNEL = jit(_decode_quant_kernel)
 def launch_decode(a, out, mixed, skip_idx: int, pdl: bool, quant=None) -> None:
     """Run the decode path for the record ``a`` (``AttnResArgs``): ``out`` / ``mixed`` are the
     outputs to store (None: not stored); ``skip_idx`` the written slot, else num_blocks.
-    ``quant`` (``triton_kernels.QuantOut``): the output is staged rounded in a scratch
+    ``quant`` (``triton_quant.QuantOut``): the output is staged rounded in a scratch
     buffer, with each slice's max |value|, and launch D quantizes it."""
     prefix, delta, blocks = a.prefix, a.delta, a.blocks
     T, H = prefix.shape

@@ -1,55 +1,25 @@
-"""Triton kernels of the AttnRes op family (docs/design.md section 3).
+"""The Triton row kernel of the AttnRes op family and its launch (docs/design.md section 3).
 
-One ``@triton.jit`` row kernel serves ``attn_res``, ``attn_res_capture`` and
-``attn_res_mix``; constexpr flags pick the prefix update, the block write, the
-output norm and which of ``out`` / ``mixed`` are stored. Rows too wide for it
-run the chunked kernel of ``ops/triton_chunked.py`` (``launch_config`` chooses), and
-calls of at most 64 rows of H >= 2048 the decode path of ``ops/triton_decode.py``, which
-splits each row over several programs (``takes_decode``; ``triton_route`` forces a route).
+One ``@triton.jit`` row kernel serves ``attn_res``, ``attn_res_capture``,
+``attn_res_mix`` and the quant ops; constexpr flags pick the prefix update, the block
+write, the output norm, the FP8 quant and which of ``out`` / ``mixed`` are stored.
+``launch`` picks the route (``triton_route``): rows too wide for the row kernel run the
+chunked kernel (``triton_chunked.py``), calls of at most 64 rows of H >= 2048 the decode
+path (``triton_decode.py``). The op modules' CUDA kernels call ``launch`` on a checked record.
 
-One program handles one token row. It reads every source exactly once, with an
-online softmax over depth (running max ``m``, running sum ``l``, fp32
-accumulator ``acc[BLOCK_H]``), so the bank is streamed in a single pass:
+One program handles one token row and reads every source exactly once, with an online
+softmax over depth (fp32 running max, sum and accumulator). The (updated, rounded) prefix
+is the first source, so no ``-inf`` sentinel is needed and ``num_blocks == 0`` gives the
+prefix bit for bit; the slot the block write just filled is taken from registers, not
+read back. Loads run ``PREFETCH`` sources ahead (3 for 16-bit rows, 2 for fp32). ``H`` is
+arbitrary (masked lanes, means over the true ``H``); the hidden dimension must be
+unit-stride (checked, never silently copied). Register use and spills at each width are
+what ``tools/kernel_build.py`` measures (``MAX_ROW_ALIGNED`` / ``MAX_ROW_UNALIGNED``).
 
-- the (updated, dtype-rounded) prefix is the first source: ``m = logit(prefix)``,
-  ``l = 1``, ``acc = prefix``; no ``-inf`` sentinel, and with ``num_blocks == 0``
-  the mixture is the prefix itself, bit for bit;
-- then ``blocks[row, j]`` for ``j < num_blocks`` in order. The slot the block
-  write just filled is not read back: its value (the rounded prefix) is taken
-  from registers, which saves a row read and needs no barrier between the write
-  and the read. The mixture therefore has the same arithmetic, bit for bit, as
-  ``attn_res_mix`` run on the post-update state;
-- loads run ``PREFETCH`` sources ahead of the reduction (plus weights, prefix and
-  delta up front): 3 for 16-bit rows, 2 for fp32, to keep bytes in flight per SM
-  on a memory-bound stream.
-
-``H`` is arbitrary: ``BLOCK_H = next_power_of_2(H)`` with masked lanes, and the
-means divide by the true ``H``. Row strides are kernel arguments; the hidden
-dimension must be unit-stride (checked, never silently copied).
-
-What the offline build measures (``python tools/kernel_build.py``; CI runs a subset in
-tests/test_kernel_build.py): the cubin Triton's bundled ptxas builds for sm_90 and
-sm_100 at H = 2048, 4096, 7168, 8192, 8190 (no 16-byte specialisation) and 16384, in
-every dtype and flag set, as the op launches it. That check, not this docstring, is
-what backs the register figures; it fails on any stack or local memory (a spill).
-Its static estimate (resident programs x rows in flight x row bytes) is checked to be
-at least 32 KB of bf16 loads in flight per SM at H = 4096 and 7168 on sm_90
-(BENCHMARKS.md has the figures). Rows wider than
-``MAX_ROW_ALIGNED`` (16-byte-aligned rows) or ``MAX_ROW_UNALIGNED`` (others) spill in
-this kernel (the CI check builds both cases) and run the chunked one.
-
-Modes: ``triton.jit`` reads ``TRITON_INTERPRET`` when it decorates, not at launch,
-and triton.language's own jit helpers (``tl.sum``) are decorated when triton is
-first imported. The kernel is built in that same mode (``INTERPRETED``): with the
-interpreter it runs on CPU tensors (and on CUDA tensors, slowly, through host
-copies); compiled, it runs on GPU tensors, and a CPU launch raises. The test
-conftest sets ``TRITON_INTERPRET=1`` before importing triton; run GPU tests and
-benchmarks with ``TRITON_INTERPRET=0`` to exercise the compiled kernel.
-
-Interpreter caveat: the Triton 3.9 interpreter rounds fp32 -> bf16 by truncation,
-so on CPU the bf16 stores round to nearest-even by bit manipulation
-(``BF16_SOFT_RTNE``, never set for GPU launches, where the hardware conversion is
-already round-to-nearest-even). That keeps the in-place prefix update bit-exact.
+Modes (``triton_mode.py``): the kernels are built in the mode triton.language was
+imported in; with the interpreter they run on CPU tensors, compiled on GPU tensors only.
+The Triton interpreter rounds fp32 -> bf16 by truncation, so interpreted bf16 stores round
+to nearest-even by bit manipulation (``BF16_SOFT_RTNE``, never set for GPU launches).
 """
 
 from __future__ import annotations
@@ -61,8 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .attn_res_args import AttnResArgs, AttnResQuantArgs
-from .fp8_quant import quantize_rows
+from .attn_res_args import AttnResArgs
+from .checks import AttnResArgumentError
 from .triton_chunked import (
     CHUNKED_KERNEL,
     INTERPRETED,
@@ -81,7 +51,6 @@ from .triton_quant import (
     quant_scale,
     store_fp8,
 )
-from .validate import AttnResArgumentError, validate_quant, validate_sources
 
 
 def _attn_res_kernel(
@@ -297,11 +266,13 @@ def _check_unit_stride(a: AttnResArgs) -> None:
             )
 
 
-def _launch(a: AttnResArgs, out, mixed, route: str | None = None,
-            quant: QuantOut | None = None) -> None:
-    """Launch the route for ``a``, storing ``out`` / ``mixed`` (None: not stored); with
+def launch(a: AttnResArgs, out, mixed, route: str | None = None,
+           quant: QuantOut | None = None) -> None:
+    """Launch the route for ``a`` (a checked record: ``attn_res_ops.validate_sources``), storing
+    ``out`` / ``mixed`` (None: not stored); with
     ``quant``, ``out`` is not given: the output is quantized into ``quant.data`` /
     ``quant.scale`` (the chunked and decode routes stage it in a scratch buffer)."""
+    _check_unit_stride(a)
     prefix, delta, num_blocks, output_norm_weight = (
         a.prefix, a.delta, a.num_blocks, a.output_norm_weight)
     T, H = prefix.shape
@@ -373,67 +344,3 @@ def _launch(a: AttnResArgs, out, mixed, route: str | None = None,
     )
     with on_device:
         kernel[(T,)](*args, **flags)
-
-
-# The public launches take the op's arguments as the op does (positional or by name), and
-# ``route`` (``triton_route``) by keyword.
-
-
-def attn_res_triton(*args, route: str | None = None, **kwargs) -> torch.Tensor:
-    """``kimi::attn_res`` on the tensors' device; mutates ``prefix`` and ``blocks``."""
-    a = AttnResArgs(*args, **kwargs)
-    validate_sources(a)
-    _check_unit_stride(a)
-    out = torch.empty(a.prefix.shape, dtype=a.prefix.dtype, device=a.prefix.device)
-    _launch(a, out, None, route)
-    return out
-
-
-def attn_res_capture_triton(*args, route: str | None = None,
-                            **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kimi::attn_res_capture``: ``(out, mixed)``, two distinct buffers."""
-    a = AttnResArgs(*args, **kwargs)
-    validate_sources(a)
-    _check_unit_stride(a)
-    out = torch.empty(a.prefix.shape, dtype=a.prefix.dtype, device=a.prefix.device)
-    mixed = torch.empty(a.prefix.shape, dtype=a.prefix.dtype, device=a.prefix.device)
-    _launch(a, out, mixed, route)
-    return out, mixed
-
-
-def attn_res_mix_triton(*args, route: str | None = None, **kwargs) -> torch.Tensor:
-    """``kimi::attn_res_mix``: the pre-norm mixture, a pure read."""
-    a = AttnResArgs.mix(*args, **kwargs)
-    validate_sources(a)
-    _check_unit_stride(a)
-    mixed = torch.empty(a.prefix.shape, dtype=a.prefix.dtype, device=a.prefix.device)
-    _launch(a, None, mixed, route)
-    return mixed
-
-
-def _quant_call(args, kwargs, route, capture: bool):
-    q = AttnResQuantArgs(*args, **kwargs)
-    validate_quant(q)
-    a = q.base
-    _check_unit_stride(a)
-    T, H = a.prefix.shape
-    dev = a.prefix.device
-    quant = QuantOut(q, torch.empty((T, H), dtype=q.quant_dtype, device=dev),
-                     torch.empty((T, 1), dtype=torch.float32, device=dev))
-    mixed = torch.empty_like(a.prefix) if capture else None
-    _launch(a, None, mixed, route, quant)
-    if H == 0:  # no launch: the scales of empty rows (the floors) come from the statement
-        quant.scale.copy_(quantize_rows(a.prefix, q)[1])
-    return (quant.data, quant.scale, mixed) if capture else (quant.data, quant.scale)
-
-
-def attn_res_quant_triton(*args, route: str | None = None,
-                          **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kimi::attn_res_quant``: ``(data, scale)``; mutates ``prefix`` and ``blocks``."""
-    return _quant_call(args, kwargs, route, capture=False)
-
-
-def attn_res_quant_capture_triton(*args, route: str | None = None,
-                                  **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``kimi::attn_res_quant_capture``: ``(data, scale, mixed)``."""
-    return _quant_call(args, kwargs, route, capture=True)

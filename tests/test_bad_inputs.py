@@ -4,10 +4,11 @@ names what is wrong. Table-driven: each row is (name, callable, exception type, 
 The type is checked exactly (``type(e) is exc``), so a refusal that reaches the user
 wrapped in a Dynamo/Inductor exception fails its row instead of passing as a subclass.
 
-- every rule of ``ops/validate.py``, for ``kimi.attn_res``, ``attn_res_capture`` and
-  ``attn_res_mix``, eagerly and under ``FakeTensorMode`` (the fake kernels run the same
-  checks, so a malformed model fails when it is compiled), plus what ``torch.compile``
-  shows for one (Dynamo's ``TorchRuntimeError`` quoting the argument error);
+- every rule of the ops' checks (``ops/attn_res_ops.py``, ``ops/aux_tap.py``), for
+  ``kimi.attn_res``, ``attn_res_capture`` and ``attn_res_mix``, eagerly and under
+  ``FakeTensorMode`` (the fake kernels run the same checks, so a malformed model fails
+  when it is compiled), plus what ``torch.compile`` shows for one (Dynamo's
+  ``TorchRuntimeError`` quoting the argument error);
 - ``AuxCaptureError`` cases of the aux-stream pass: a marker with no AttnRes op, a
   duplicate capture id, ids that contradict their consumer (layer, output aggregation,
   ``num_blocks``, out of range), two consumers, a boundary tap on a non-final stage;
@@ -501,12 +502,14 @@ def test_refused_loudly(case: Case, monkeypatch, tmp_path):
 
 
 def test_every_validation_rule_has_a_row(monkeypatch, tmp_path):
-    """Each message template in ops/validate.py is produced by some row above."""
+    """Each message template of the ops' checks (ops/attn_res_ops.py, ops/aux_tap.py) is
+    produced by some row above."""
     import inspect
 
-    from kimi_passes.ops import validate
+    from kimi_passes.ops import attn_res_ops, aux_tap
 
-    templates = re.findall(r'f?"(kimi (?:attn_res|aux_tap): [^"]*)"', inspect.getsource(validate))
+    source = inspect.getsource(attn_res_ops) + inspect.getsource(aux_tap)
+    templates = re.findall(r'f?"(kimi (?:attn_res|aux_tap): [^"]*)"', source)
     assert len(templates) >= 11, templates
     messages = []
     for case in op_cases() + TAP_CASES[:5]:

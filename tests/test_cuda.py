@@ -260,7 +260,7 @@ def test_quant_is_the_quant_of_the_routes_output_cuda(case, dtype, route):
             got = clone_args(args)
             data, scale, got_mixed = attn_res_quant_capture_triton(*got, qd, route=route,
                                                                    **extra)
-            want = quantize_rows(out, AttnResQuantArgs(*args, qd, **extra))
+            want = quantize_rows(out, AttnResQuantArgs.from_args(*args, qd, **extra))
             assert torch.equal(data.view(torch.uint8), want[0].view(torch.uint8)), (qd, extra)
             assert torch.equal(scale, want[1]), (qd, extra)
             assert torch.equal(got_mixed, mixed)

@@ -306,7 +306,7 @@ def test_quant_ops_lower_to_the_cpu_paths_quant():
     assert sum(c.count("float8_e4m3fn") for c in code) > 0  # the fp8 cast, in the C++ code
     for i, (case, a, ca) in enumerate(zip(QUANT_CASES, argsets, compiled, strict=True)):
         _, _, _, _, _, qd, name = case
-        q = AttnResQuantArgs(*a, qd, **form(qd, name))
+        q = AttnResQuantArgs.from_args(*a, qd, **form(qd, name))
         quant, out = got[2 * i], got[2 * i + 1]
         data, scale = quant[:2]
         want = quantize_rows(out, q)

@@ -612,13 +612,17 @@ def test_each_record_is_its_ops_argument_list():
              "attn_res_quant_capture": records.AttnResQuantArgs}
     for name, record in by_op.items():
         arguments = getattr(OPS, name).default._schema.arguments
-        assert [a.name for a in arguments] == list(record._fields), name
-        assert {a.name: a.default_value for a in arguments if a.has_default_value()} == (
-            record._field_defaults), name
-        hints = typing.get_type_hints(record)
-        tensor_fields = [f for f in record._fields if "Tensor" in str(hints[f])]
+        fields = records.schema_fields(record)  # a nested record (the quant's base) spelled out
+        assert [a.name for a in arguments] == [p.name for p in fields], name
+        assert {a.name: a.default_value for a in arguments if a.has_default_value()} == {
+            p.name: p.default for p in fields if p.default is not p.empty}, name
+        tensor_fields = [p.name for p in fields if "Tensor" in str(p.annotation)]
         if record is records.AttnResQuantArgs:  # scale_ub: a quant constant, last (defaulted)
             tensor_fields.remove("scale_ub")
+            assert records.AttnResQuantArgs.from_args(*range(len(fields))).to_args() == (
+                tuple(range(len(fields))))
+            assert typing.get_type_hints(record)["base"] is records.AttnResArgs
+            record = records.AttnResArgs
         n = len(tensor_fields)
         assert record._fields[:n] == tuple(tensor_fields), name  # the tensors come first
         assert len(record._make(range(len(record._fields))).tensors) == n, name

@@ -31,6 +31,7 @@ from kimi_passes.ops.differentiable import (
     attn_res_capture_differentiable,
     attn_res_differentiable,
 )
+from kimi_passes.ops.mix import attn_res_mix_backward_triton
 
 OPS = torch.ops.kimi
 EPS = 1e-6
@@ -201,7 +202,7 @@ def test_triton_backward_matches_cpu(monkeypatch, case, needs, route):
     assert tb.launch_config(H, dtype, H % 16 == 0, NB)[0] is want_kernel
     prefix, blocks, nw, qk, grad = mix_inputs(T, H, NB + pad, dtype, seed=3)
     blocks = blocks[:, :NB]  # a strided view: row stride (NB + pad) * H
-    got = tb.attn_res_mix_backward_triton(grad, prefix, blocks, nw, qk, nb, EPS, *needs)
+    got = attn_res_mix_backward_triton(grad, prefix, blocks, nw, qk, nb, EPS, *needs)
     want = OPS.attn_res_mix_backward(grad, prefix, blocks, nw, qk, nb, EPS, *needs)
     for name, need, g_, w_ in zip(("dprefix", "dblocks", "dw"), needs, got, want, strict=True):
         assert g_.shape == w_.shape and g_.dtype == w_.dtype, name
@@ -226,7 +227,7 @@ def test_triton_backward_launch_fits_a_program_on_cuda_and_hip(H):
 
 def test_triton_backward_empty_rows():
     prefix, blocks, nw, qk, grad = mix_inputs(0, 16, 2, torch.float32)
-    dp, db, dw = tb.attn_res_mix_backward_triton(grad, prefix, blocks, nw, qk, 2, EPS,
+    dp, db, dw = attn_res_mix_backward_triton(grad, prefix, blocks, nw, qk, 2, EPS,
                                                  True, True, True)
     assert dp.shape == (0, 16) and db.shape == (0, 2, 16) and dw.shape == (16,)
     assert not dw.any()
@@ -561,6 +562,6 @@ def test_backward_ops_check_grad():
     with pytest.raises(AttnResArgumentError, match=r"attn_res_mix_list_backward: grad has"):
         OPS.attn_res_mix_list_backward(bad, [prefix], nw, qk, EPS, True, True)
     with pytest.raises(AttnResArgumentError, match=r"attn_res_mix_backward: grad has shape"):
-        tb.attn_res_mix_backward_triton(bad, prefix, blocks, nw, qk, 2, EPS, True, True, True)
+        attn_res_mix_backward_triton(bad, prefix, blocks, nw, qk, 2, EPS, True, True, True)
     with pytest.raises(AttnResArgumentError, match=r"num_blocks=4 is outside \[0, 3\]"):
         OPS.attn_res_mix_backward(grad, prefix, blocks, nw, qk, 4, EPS, True, True, True)

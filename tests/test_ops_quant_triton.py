@@ -74,7 +74,7 @@ def test_each_route_quantizes_its_own_output(case, qd):
         got_args = clone_args(args)
         data, scale, got_mixed = ops.attn_res_quant_capture_triton(*got_args, qd, route=route,
                                                                    **extra)
-        q = AttnResQuantArgs(*args, qd, **extra)
+        q = AttnResQuantArgs.from_args(*args, qd, **extra)
         want_data, want_scale = quantize_rows(out, q)
         assert data.dtype == qd and data.shape == (T, H) and scale.shape == (T, 1)
         assert torch.equal(bits(data), bits(want_data)) and torch.equal(scale, want_scale)
@@ -137,7 +137,7 @@ def vllm_case(vllm_amd, case, stats=None):
     v_out = vllm_amd.attn_res(*clone_args(args))
     assert v_data.dtype == qd and v_scale.shape == (T, 1)
     # The op's quant of vLLM's own output is vLLM's quant.
-    q_data, q_scale = quantize_rows(v_out, AttnResQuantArgs(*args, qd))
+    q_data, q_scale = quantize_rows(v_out, AttnResQuantArgs.from_args(*args, qd))
     assert torch.equal(bits(q_data), bits(v_data)) and torch.equal(q_scale, v_scale), case
     paths = {"cpu": (lambda a: OPS.attn_res_quant(*a, qd), lambda a: OPS.attn_res(*a)),
              **{route: (lambda a, r=route: ops.attn_res_quant_triton(*a, qd, route=r),

@@ -17,16 +17,14 @@ from op_helpers import DTYPES, OP_TOL
 
 from kimi_passes.ops import (
     AttnResArgumentError,
+    attn_res_capture_triton,
     attn_res_mix_reference,
+    attn_res_mix_triton,
     attn_res_reference,
+    attn_res_triton,
 )
 from kimi_passes.ops import triton_decode as td
 from kimi_passes.ops import triton_kernels as tk
-from kimi_passes.ops.triton_kernels import (
-    attn_res_capture_triton,
-    attn_res_mix_triton,
-    attn_res_triton,
-)
 
 EPS = 1e-6
 OUT_EPS = 1e-5

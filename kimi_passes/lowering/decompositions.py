@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from kimi_passes.ops.attn_res_args import (
+    AttnResArgs,
     AttnResQuantArgs,
     MixArgs,
     MixBackwardArgs,
@@ -105,38 +106,35 @@ def attn_res_mix_list(*args, **kwargs):
     return mixed.to(a.out_dtype or a.sources[0].dtype)
 
 
-def attn_res(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight, *,
-             num_blocks: int, block_write_idx: int, eps: float, output_norm_eps: float,
-             capture: bool):
-    """``kimi.attn_res`` / ``attn_res_capture`` in functional form.
+def attn_res(*args, capture: bool, **kwargs):
+    """``kimi.attn_res`` / ``attn_res_capture`` in functional form (its arguments as the op
+    takes them, positional or by name).
 
     Returns ``(out, prefix', blocks')``, or ``(out, mixed, prefix', blocks')`` when
     ``capture``: the outputs ``auto_functionalized`` gives, in that order.
     """
-    dtype = prefix.dtype
-    out, mixed, x, new_blocks = _attn_res_fp32(
-        prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
-        num_blocks=num_blocks, block_write_idx=block_write_idx, eps=eps,
-        output_norm_eps=output_norm_eps)
+    a = AttnResArgs(*args, **kwargs)
+    dtype = a.prefix.dtype
+    out, mixed, x, new_blocks = _attn_res_fp32(a)
     if capture:
         return out.to(dtype), mixed.to(dtype), x, new_blocks
     return out.to(dtype), x, new_blocks
 
 
-def _attn_res_fp32(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight, *,
-                   num_blocks: int, block_write_idx: int, eps: float, output_norm_eps: float):
+def _attn_res_fp32(a: AttnResArgs):
     """``attn_res``'s ``(out, mixed, prefix', blocks')`` with ``out`` and ``mixed`` in fp32
     (before the rounding to the sources' dtype)."""
+    prefix, delta, blocks = a.prefix, a.delta, a.blocks
     dtype = prefix.dtype
     x = prefix if delta is None else _realized((prefix.float() + delta.float()).to(dtype))
     # The bank is read after the write, from the written bank only: the old one is dead
     # after the select_scatter, which Inductor's reinplacing then makes a slot write.
-    new_blocks = blocks if block_write_idx < 0 else torch.select_scatter(
-        blocks, x, 1, block_write_idx)
-    bank = new_blocks[:, :num_blocks] if num_blocks else None
-    mixed = mixture(bank, [x], folded_query(norm_weight, qk_weight), eps)
-    out = mixed if output_norm_weight is None else output_norm(
-        mixed, output_norm_weight, output_norm_eps)
+    new_blocks = blocks if a.block_write_idx < 0 else torch.select_scatter(
+        blocks, x, 1, a.block_write_idx)
+    bank = new_blocks[:, :a.num_blocks] if a.num_blocks else None
+    mixed = mixture(bank, [x], folded_query(a.norm_weight, a.qk_weight), a.eps)
+    out = mixed if a.output_norm_weight is None else output_norm(
+        mixed, a.output_norm_weight, a.output_norm_eps)
     return out, mixed, x, new_blocks
 
 
@@ -172,20 +170,19 @@ def _rounded_amax(stored: torch.Tensor) -> torch.Tensor:
     return amax.to(stored.dtype).view(torch.int16).view(stored.dtype).float()
 
 
-def attn_res_quant(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight, scale_ub,
-                   *, capture: bool, **const):
+def attn_res_quant(*tensors, capture: bool, **const):
     """``kimi.attn_res_quant`` / ``attn_res_quant_capture`` in functional form: ``attn_res``'s
     statement, its output (rounded to the sources' dtype) quantized by the CPU path's own
-    statement (``fp8_quant.quantize_rows``). ``const``: the record's non-tensor fields.
+    statement (``fp8_quant.quantize_rows``). ``tensors``: the record's tensors (the
+    mixture's, then ``scale_ub``: the traced inputs); ``const``: its other fields by name.
 
     Returns ``(data, scale, prefix', blocks')``, or ``(data, scale, mixed, prefix',
     blocks')`` when ``capture``.
     """
-    q = AttnResQuantArgs(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
-                         scale_ub=scale_ub, **const)
-    out, mixed, x, new_blocks = _attn_res_fp32(
-        prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
-        **{k: const[k] for k in ("num_blocks", "block_write_idx", "eps", "output_norm_eps")})
+    *mixture_tensors, scale_ub = tensors
+    q = AttnResQuantArgs.from_args(*mixture_tensors, scale_ub=scale_ub, **const)
+    prefix = q.base.prefix
+    out, mixed, x, new_blocks = _attn_res_fp32(q.base)
     if prefix.dtype == torch.float32 or not out.shape[-1]:
         data, scale = quantize_rows(out, q)
     else:
@@ -201,7 +198,7 @@ def attn_res_quant(prefix, delta, blocks, norm_weight, qk_weight, output_norm_we
 
 
 def attn_res_mix_backward(*args, **kwargs):
-    """``kimi.attn_res_mix_backward``: ``(dprefix, dblocks, dw)`` (``ops/backward.py``).
+    """``kimi.attn_res_mix_backward``: ``(dprefix, dblocks, dw)`` (``ops/mix.py``).
 
     Per row, sources ``v_j``, ``r_j = rsqrt(mean(v_j^2) + eps)``, ``logit_j = <v_j, w> r_j``,
     ``p = softmax(logit)``; ``a_j = p_j (<g, v_j> - <g, out>) r_j``;
@@ -250,7 +247,7 @@ def attn_res_mix_backward(*args, **kwargs):
 
 
 def attn_res_mix_list_backward(*args, **kwargs):
-    """``kimi.attn_res_mix_list_backward``: ``(dsources, dw)`` (``ops/backward.py``).
+    """``kimi.attn_res_mix_list_backward``: ``(dsources, dw)`` (``ops/mix_list.py``).
 
     ``attn_res_mix_backward``'s formulas, one term per source (each read where it lies);
     ``dsources`` is ``[]`` when not asked for, ``dw`` an empty ``[0]`` tensor.

@@ -41,7 +41,7 @@ from kimi_passes.fx.fx_toolkit import (
     is_lossless,
 )
 from kimi_passes.fx.match import NoMatch, is_call, need, node_arg, scalar, scalar_arg
-from kimi_passes.ops.attn_res_args import AttnResArgs, AttnResQuantArgs
+from kimi_passes.ops.attn_res_args import AttnResQuantArgs
 
 aten = torch.ops.aten
 
@@ -72,7 +72,7 @@ class QuantParams:
 def _check_fields() -> None:
     """``QuantParams`` holds the op's quant fields, in the op's order."""
     ours = tuple(f.name for f in dataclasses.fields(QuantParams))
-    theirs = AttnResQuantArgs._fields[len(AttnResArgs._fields):]
+    theirs = AttnResQuantArgs._fields[1:]  # the fields after base (AttnResArgs)
     if ours != theirs:
         raise TypeError(f"kimi_passes.quant: QuantParams {ours} disagrees with "
                         f"AttnResQuantArgs' quant fields {theirs}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kimi_passes.ops import aux_tap_op  # noqa: F401  (registers torch.ops.kimi.aux_tap)
-from kimi_passes.ops.validate import validate_tap
+from kimi_passes.ops.aux_tap import validate_tap
 
 
 def aux_tap(x: torch.Tensor, capture_id: int) -> torch.Tensor:

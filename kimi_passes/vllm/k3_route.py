@@ -1,50 +1,32 @@
 """vLLM's own Kimi K3 forward through ``kimi::attn_res``: the ``vllm.general_plugins`` route.
 
-vLLM 0.33.0 serves K3 with a module-level Python function ``attn_res`` (a Triton launch;
-on SM100 with H=7168 vLLM's compiled ``torch.ops._C.kimi_k3_attn_res``), imported by name
-into ``vllm/models/kimi_k3/nvidia/model.py`` and (the ROCm path, with a ``quant_dtype=``
-keyword) ``vllm/models/kimi_k3/amd/linear.py``. Its signature and semantics are
-``kimi::attn_res``'s, argument for argument: ``prefix += delta`` in place (rounded to the
-dtype), ``blocks[:, block_write_idx] = prefix`` in place, the mixture over
-``blocks[:, :num_blocks]`` and the prefix, then the optional output norm. The kimi passes
-see only kimi ops, so the K3 forward must call the op for the aux captures to be found.
+vLLM 0.33.0 serves K3 with a module-level function ``attn_res``, imported by name into
+``vllm/models/kimi_k3/nvidia/model.py`` (and ``nvidia/ops.py``) and, with a
+``quant_dtype=`` keyword, the ROCm path's ``amd/linear.py``. Its arguments and semantics
+are ``kimi::attn_res``'s (``AttnResArgs``): the kimi passes see only kimi ops, so the K3
+forward must call the op for the aux captures to be found.
 
-``register`` (the ``vllm.general_plugins`` entry point ``kimi_passes``, which vLLM calls
-in every process it starts) rebinds those module-level names to ``vllm_attn_res`` /
-``vllm_attn_res_amd``, thin calls of ``torch.ops.kimi.attn_res`` (with the ROCm path's
-``quant_dtype=``, of ``torch.ops.kimi.attn_res_quant``, returning ``(data, scale)``),
-**only when kimi_passes is enabled for vLLM: ``$KIMI_PASSES_AUX_STREAM`` set**
-(``attn_res`` or ``prefix``, the stream the ``kimi`` backend serves; a bad value raises,
-vLLM then stops). Unset, it imports nothing and changes nothing. vLLM's files are never
-edited: the names are rebound in the imported modules, which look ``attn_res`` up at
-call time.
+Invariant: ``register`` (the entry point ``kimi_passes``, which vLLM calls in every
+process) rebinds those names to ``vllm_attn_res`` / ``vllm_attn_res_amd`` (calls of
+``kimi::attn_res``, or of ``kimi::attn_res_quant`` returning ``(data, scale)``) **only
+when ``$KIMI_PASSES_AUX_STREAM`` is set** (a bad value raises); unset, it imports nothing
+and changes nothing. vLLM's files are never edited. Without the package metadata (no
+``pip install -e .``), calling ``register()`` in the process does the same.
 
-The entry point exists once the package's metadata does: after ``pip install -e .`` (or a
-wheel). Without the metadata, ``register()`` called in the process (or
-``route_attn_res()`` once the K3 modules are imported) does the same.
-
-Routed, the values are ``kimi::attn_res``'s: the same arithmetic as vLLM's kernel, not
-bit for bit (fp32: within 5e-6 of vLLM's Triton kernel on its K3 forward, measured on
-CPU with the kernel interpreted; tests/test_vllm_k3.py). The FP8 quant is vLLM's AMD
-kernel's, bound included: ``QUANT_MAX`` there is the platform's (``get_fp8_min_max()[1]``:
-224 on fnuz platforms, else 448), not the dtype's, so the route reads vLLM's
-``get_fp8_min_max`` at each call, where vLLM's function reads it (one source of truth, no
-copy of the platform rule; under Dynamo a constant of the trace, as in vLLM's function),
-and passes it as ``quant_max``. Given the same unquantized output, the bytes and scales
-are vLLM's, bit for bit (tests/test_vllm_k3.py, vLLM's kernel interpreted).
-
-Left unrouted (the variable unset, or ``$VLLM_PLUGINS`` without ``kimi_passes``), vLLM's
-own ``attn_res`` in a graph compiled under the attn_res stream is an ``AuxCaptureError``
-(``kimi_passes/taps/unrouted.py``). ``backend="kimi"`` cannot switch the route on itself:
-vLLM loads its general plugins before its config exists.
-
-Not routed: sequence parallelism's aux states (``cat``, all-gathered and split) are out
-of scope.
+Routed, the values are ``kimi::attn_res``'s (the same arithmetic as vLLM's kernel, not bit
+for bit; tests/test_vllm_k3.py). The FP8 quant is vLLM's AMD kernel's, bound included:
+the route reads vLLM's ``get_fp8_min_max`` at each call (224 on fnuz platforms, else
+448), as vLLM's function does, and passes it as ``quant_max``; given the same output,
+bytes and scales are vLLM's, bit for bit. Left unrouted, vLLM's own ``attn_res`` in a graph
+compiled under the attn_res stream is an ``AuxCaptureError`` (``taps/unrouted.py``).
+``backend="kimi"`` cannot switch the route on (vLLM loads its plugins before its config).
+Sequence parallelism's aux states (all-gathered and split) are not routed.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import os
 import sys
@@ -53,6 +35,7 @@ import torch
 
 import kimi_passes.ops  # noqa: F401  (registers torch.ops.kimi)
 from kimi_passes.config.stream import ENV_VAR, resolve_aux_stream
+from kimi_passes.ops.attn_res_args import AttnResArgs, record_signature
 
 log = logging.getLogger(__name__)
 
@@ -61,32 +44,32 @@ NVIDIA_MODULES = ("vllm.models.kimi_k3.nvidia.model", "vllm.models.kimi_k3.nvidi
 AMD_MODULES = ("vllm.models.kimi_k3.amd.linear",)
 
 
-def vllm_attn_res(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
-                  num_blocks, block_write_idx, eps, output_norm_eps):
-    """vLLM's NVIDIA ``attn_res`` (same signature and effects) as ``kimi::attn_res``."""
-    return torch.ops.kimi.attn_res(prefix, delta, blocks, norm_weight, qk_weight,
-                                   output_norm_weight, num_blocks, block_write_idx, eps,
-                                   output_norm_eps)
+@record_signature(AttnResArgs, returns=torch.Tensor)
+def vllm_attn_res(*args, **kwargs):
+    """vLLM's NVIDIA ``attn_res`` (same signature, ``AttnResArgs``, and effects) as
+    ``kimi::attn_res``."""
+    return torch.ops.kimi.attn_res(*AttnResArgs(*args, **kwargs))
 
 
-def vllm_attn_res_amd(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight,
-                      num_blocks, block_write_idx, eps, output_norm_eps, *,
-                      quant_dtype=None):
-    """vLLM's ROCm ``attn_res`` (same signature, effects and returns) as kimi ops.
+def vllm_attn_res_amd(*args, quant_dtype=None, **kwargs):
+    """vLLM's ROCm ``attn_res`` (``AttnResArgs``, then a keyword ``quant_dtype=None``: same
+    signature, effects and returns) as kimi ops.
 
     ``quant_dtype=None``: ``kimi::attn_res``'s output. Otherwise ``(data, scale)`` of
     ``kimi::attn_res_quant`` with vLLM's kernel's quant: its defaults, and the bound vLLM's
     kernel takes, ``get_fp8_min_max()[1]`` of the platform, read at each call as vLLM's
     function reads it (224 on fnuz platforms, else 448), not the dtype's.
     """
+    a = AttnResArgs(*args, **kwargs)
     if quant_dtype is None:
-        return vllm_attn_res(prefix, delta, blocks, norm_weight, qk_weight,
-                             output_norm_weight, num_blocks, block_write_idx, eps,
-                             output_norm_eps)
-    return torch.ops.kimi.attn_res_quant(prefix, delta, blocks, norm_weight, qk_weight,
-                                         output_norm_weight, num_blocks, block_write_idx,
-                                         eps, output_norm_eps, quant_dtype,
+        return torch.ops.kimi.attn_res(*a)
+    return torch.ops.kimi.attn_res_quant(*a, quant_dtype,
                                          quant_max=_platform_quant_max(quant_dtype))
+
+
+vllm_attn_res_amd.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    [*inspect.signature(vllm_attn_res).parameters.values(),
+     inspect.Parameter("quant_dtype", inspect.Parameter.KEYWORD_ONLY, default=None)])
 
 
 def _platform_quant_max(quant_dtype: torch.dtype) -> float:
