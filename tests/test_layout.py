@@ -400,6 +400,8 @@ def test_the_readme_options_table_is_the_records():
 #: The developers' guide's bounds: a package module a reader takes in at once, a module
 #: docstring that states the invariant (the rest is design.md's), docs read in a sitting.
 MODULE_LINES, DOCSTRING_LINES = 450, 25
+#: Functions of the bench and the main job (kimi_passes/bench/, __main__.py).
+FUNCTION_LINES = 60
 DOC_LINES = {"docs/design.md": 600, "BENCHMARKS.md": 500}
 
 
@@ -415,7 +417,8 @@ def docstring_lines(source: str, filename: str) -> int:
 
 def test_the_house_bounds():
     """Every package module (kimi_passes/, ops/, graphs/) at most 450 lines with a module
-    docstring of at most 25; docs/design.md at most 600 lines, BENCHMARKS.md 500."""
+    docstring of at most 25; no function of the bench or the main job over 60 lines;
+    docs/design.md at most 600 lines, BENCHMARKS.md 500."""
     over = []
     for f in sorted(module_files(TREES).values()):
         source = f.read_text()
@@ -427,6 +430,13 @@ def test_the_house_bounds():
         if doc > DOCSTRING_LINES:
             over.append(f"{where}: a {doc}-line module docstring (at most {DOCSTRING_LINES}; "
                         "the rest belongs in docs/design.md)")
+        if f.parent.name == "bench" or f.name == "__main__.py":
+            for fn in ast.walk(ast.parse(source)):
+                if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    n = (fn.end_lineno or fn.lineno) - fn.lineno + 1
+                    if n > FUNCTION_LINES:
+                        over.append(f"{where}: {fn.name}() has {n} lines (at most "
+                                    f"{FUNCTION_LINES}: split it)")
     for path, bound in DOC_LINES.items():
         lines = len((ROOT / path).read_text().splitlines())
         if lines > bound:
