@@ -38,7 +38,7 @@ from kimi_passes.fx.fx_toolkit import call_function
 from kimi_passes.fx.kimi_calls import AttnResCall, attn_res_calls, attn_res_quant_calls
 from kimi_passes.lowering import decompositions as dec
 from kimi_passes.lowering.private_trace import PrivateTrace, TraceRefused
-from kimi_passes.ops.attn_res_args import AttnResQuantArgs
+from kimi_passes.ops.attn_res_args import AttnResArgs, AttnResQuantArgs, schema_fields
 from kimi_passes.ops.conventions import MUTATED_ARGS as MUTATED
 
 kimi = torch.ops.kimi
@@ -209,10 +209,14 @@ def _replace(graph: Graph, node: Node, outputs: dict) -> None:
     graph.erase_node(node)
 
 
-#: The quant ops' non-tensor arguments, passed to their statement as constants.
-_QUANT_CONSTS = ("num_blocks", "block_write_idx", "eps", "output_norm_eps", "quant_dtype",
-                 "quant_max", "amax_floor", "scale_floor", "divide",
-                 "divide_values")
+def _constants(record) -> tuple[str, ...]:
+    """The op's non-tensor arguments, read off its record: passed to its statement as
+    constants."""
+    tensors = (torch.Tensor, torch.Tensor | None)
+    return tuple(p.name for p in schema_fields(record) if p.annotation not in tensors)
+
+
+_CONSTS, _QUANT_CONSTS = _constants(AttnResArgs), _constants(AttnResQuantArgs)
 
 
 def _lower_attn_res(graph: Graph, call: AttnResCall) -> None:
@@ -225,8 +229,7 @@ def _lower_attn_res(graph: Graph, call: AttnResCall) -> None:
         outs = _inline(graph, call.node, dec.attn_res_quant, (*args, call.arg("scale_ub")),
                        const)
     else:
-        const = {k: call.arg(k) for k in ("num_blocks", "block_write_idx", "eps",
-                                          "output_norm_eps")}
+        const = {k: call.arg(k) for k in _CONSTS}
         const["capture"] = call.op is kimi.attn_res_capture.default
         outs = _inline(graph, call.node, dec.attn_res, args, const)
     new = dict(enumerate(outs[:call.num_returns]))
