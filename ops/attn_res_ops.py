@@ -22,23 +22,18 @@ from __future__ import annotations
 import torch
 
 from .attn_res_args import AttnResArgs, AttnResQuantArgs, record_signature
-from .checks import SUPPORTED_DTYPES, AttnResArgumentError
+from .checks import SUPPORTED_DTYPES, fail
 from .conventions import MUTATED_ARGS
 from .cpu import attn_res_cpu, attn_res_quant_cpu
 from .fp8_quant import FP8_MAX, quantize_rows
 from .library import below_autograd, no_formula, register
-
-
-def _fail(msg: str) -> None:
-    raise AttnResArgumentError(msg)
-
 
 # --------------------------------------------------------------------------- checks
 
 
 def _check_rank(name: str, t: torch.Tensor, rank: int, layout: str) -> None:
     if t.dim() != rank:
-        _fail(
+        fail(
             f"kimi attn_res: {name} must be {rank}-D {layout}, got shape "
             f"{tuple(t.shape)} ({t.dim()}-D)"
         )
@@ -90,7 +85,7 @@ def _diagnose(a: AttnResArgs) -> None:
 
     T, H = prefix.shape
     if prefix.dtype not in SUPPORTED_DTYPES:
-        _fail(
+        fail(
             f"kimi attn_res: prefix dtype {prefix.dtype} is not supported; "
             f"use one of {[str(d) for d in SUPPORTED_DTYPES]}"
         )
@@ -99,41 +94,41 @@ def _diagnose(a: AttnResArgs) -> None:
         others.insert(0, ("delta", delta))
     for name, t in others:
         if t.dtype != prefix.dtype:
-            _fail(
+            fail(
                 f"kimi attn_res: {name} dtype {t.dtype} differs from prefix dtype "
                 f"{prefix.dtype}; cast every tensor to one dtype"
             )
         if t.device != prefix.device:
-            _fail(
+            fail(
                 f"kimi attn_res: {name} is on {t.device} but prefix is on "
                 f"{prefix.device}; move every tensor to one device"
             )
         if t.shape[-1] != H:
-            _fail(
+            fail(
                 f"kimi attn_res: hidden size mismatch: {name} has H={t.shape[-1]} "
                 f"(shape {tuple(t.shape)}) but prefix has H={H}"
             )
     for name, part in (("delta", delta), ("blocks", blocks)):
         if part is not None and part.shape[0] != T:
-            _fail(
+            fail(
                 f"kimi attn_res: token count mismatch: {name} has T={part.shape[0]} "
                 f"(shape {tuple(part.shape)}) but prefix has T={T}"
             )
     nb_total = blocks.shape[1]
     num_blocks, block_write_idx = a.num_blocks, a.block_write_idx
     if not 0 <= num_blocks <= nb_total:
-        _fail(
+        fail(
             f"kimi attn_res: num_blocks={num_blocks} is outside [0, {nb_total}] "
             f"(blocks has NB={nb_total} slots)"
         )
     if not -1 <= block_write_idx < nb_total:
-        _fail(
+        fail(
             f"kimi attn_res: block_write_idx={block_write_idx} is outside "
             f"[-1, {nb_total}) (blocks has NB={nb_total} slots; -1 means no write)"
         )
     for name, value in (("eps", a.eps), ("output_norm_eps", a.output_norm_eps)):
         if not value >= 0.0:
-            _fail(f"kimi attn_res: {name}={value} must be a non-negative float")
+            fail(f"kimi attn_res: {name}={value} must be a non-negative float")
 
 
 def validate_quant(q: AttnResQuantArgs) -> None:
@@ -141,20 +136,20 @@ def validate_quant(q: AttnResQuantArgs) -> None:
     quant's fields; raise naming the culprit and what to pass."""
     validate_sources(q.base)
     if q.quant_dtype not in FP8_MAX:
-        _fail(f"kimi attn_res_quant: quant_dtype {q.quant_dtype} is not supported; use one of "
+        fail(f"kimi attn_res_quant: quant_dtype {q.quant_dtype} is not supported; use one of "
               f"{[str(d) for d in FP8_MAX]}")
     fp8_max = torch.finfo(q.quant_dtype).max
     if not 0.0 <= q.quant_max <= fp8_max:  # False for NaN
-        _fail(f"kimi attn_res_quant: quant_max={q.quant_max} is outside [0, {fp8_max}] (the "
+        fail(f"kimi attn_res_quant: quant_max={q.quant_max} is outside [0, {fp8_max}] (the "
               f"largest {q.quant_dtype}); pass 0 for vLLM's bound "
               f"({FP8_MAX[q.quant_dtype]} for {q.quant_dtype})")
     for name, value in (("amax_floor", q.amax_floor), ("scale_floor", q.scale_floor)):
         if not 0.0 <= value < float("inf"):
-            _fail(f"kimi attn_res_quant: {name}={value} must be a finite non-negative float")
+            fail(f"kimi attn_res_quant: {name}={value} must be a finite non-negative float")
     ub = q.scale_ub
     if ub is not None and (ub.numel() != 1 or ub.dtype != torch.float32
                            or ub.device != q.base.prefix.device):
-        _fail(f"kimi attn_res_quant: scale_ub must be a one-element float32 tensor on "
+        fail(f"kimi attn_res_quant: scale_ub must be a one-element float32 tensor on "
               f"{q.base.prefix.device} (vLLM's QuantFP8 scale_ub), got shape {tuple(ub.shape)}, "
               f"{ub.dtype} on {ub.device}")
 
@@ -165,7 +160,8 @@ def validate_quant(q: AttnResQuantArgs) -> None:
 # launch (it is Linux-only). On CPU tensors they need TRITON_INTERPRET=1.
 
 
-def _new(a: AttnResArgs) -> torch.Tensor:
+def new_like_prefix(a: AttnResArgs) -> torch.Tensor:
+    """A new contiguous ``[T, H]`` buffer of ``prefix``'s dtype and device (an output)."""
     return torch.empty(a.prefix.shape, dtype=a.prefix.dtype, device=a.prefix.device)
 
 
@@ -175,7 +171,7 @@ def attn_res_triton(*args, route: str | None = None, **kwargs) -> torch.Tensor:
 
     a = AttnResArgs(*args, **kwargs)
     validate_sources(a)
-    out = _new(a)
+    out = new_like_prefix(a)
     launch(a, out, None, route)
     return out
 
@@ -187,7 +183,7 @@ def attn_res_capture_triton(*args, route: str | None = None,
 
     a = AttnResArgs(*args, **kwargs)
     validate_sources(a)
-    out, mixed = _new(a), _new(a)
+    out, mixed = new_like_prefix(a), new_like_prefix(a)
     launch(a, out, mixed, route)
     return out, mixed
 
@@ -199,7 +195,7 @@ def _quant_triton(q: AttnResQuantArgs, route: str | None, capture: bool):
     validate_quant(q)
     a = q.base
     quant = QuantOut(q, *_quant_outputs(q))
-    mixed = _new(a) if capture else None
+    mixed = new_like_prefix(a) if capture else None
     launch(a, None, mixed, route, quant)
     if a.prefix.shape[1] == 0:  # no launch: the scales of empty rows (the floors)
         quant.scale.copy_(quantize_rows(a.prefix, q)[1])

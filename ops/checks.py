@@ -7,6 +7,8 @@ a malformed model fails when it is compiled, not when it is served.
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 import torch
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -14,6 +16,11 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 class AttnResArgumentError(ValueError):
     """An AttnRes op was called with arguments that break its contract."""
+
+
+def fail(msg: str) -> NoReturn:
+    """Refuse a call: ``msg`` names the op, the argument at fault and what to pass."""
+    raise AttnResArgumentError(msg)
 
 
 def check_grad(op: str, grad, like) -> None:

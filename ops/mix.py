@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .attn_res_args import AttnResArgs, MixArgs, MixBackwardArgs, record_signature
-from .attn_res_ops import validate_sources
+from .attn_res_ops import new_like_prefix, validate_sources
 from .backward import attn_res_mix_backward_cpu, split_weight_grad
 from .checks import check_grad
 from .cpu import mix_cpu
@@ -50,7 +50,7 @@ def attn_res_mix_triton(*args, route: str | None = None, **kwargs) -> torch.Tens
 
     a = AttnResArgs.mix(*args, **kwargs)
     validate_sources(a)
-    mixed = torch.empty(a.prefix.shape, dtype=a.prefix.dtype, device=a.prefix.device)
+    mixed = new_like_prefix(a)
     launch(a, None, mixed, route)
     return mixed
 

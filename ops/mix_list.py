@@ -27,53 +27,53 @@ import torch
 
 from .attn_res_args import MixListArgs, MixListBackwardArgs, record_signature
 from .backward import attn_res_mix_list_backward_torch, split_weight_grad
-from .checks import SUPPORTED_DTYPES, AttnResArgumentError, check_grad
+from .checks import SUPPORTED_DTYPES, check_grad, fail
 from .library import below_autograd, register
 
 # Rows per chunk are sized so one chunk's fp32 upcast of all sources is about this many bytes.
 _CHUNK_BYTES = 4 << 20
 
 
-def _fail(msg: str) -> None:
-    raise AttnResArgumentError(f"kimi attn_res_mix_list: {msg}")
+#: Every refusal of the mix-list ops names them first.
+_OP = "kimi attn_res_mix_list: "
 
 
 def validate_mix_list(a: MixListArgs) -> None:
     """Check the sources agree with each other and with the weights; raise naming the culprit."""
     sources, eps, out_dtype = a.sources, a.eps, a.out_dtype
     if len(sources) == 0:
-        _fail("sources is empty; pass at least one [*, H] tensor")
+        fail(_OP + "sources is empty; pass at least one [*, H] tensor")
     first = sources[0]
     if first.dim() < 1:
-        _fail("sources[0] is 0-D; each source must be a hidden-state tensor [*, H]")
+        fail(_OP + "sources[0] is 0-D; each source must be a hidden-state tensor [*, H]")
     if first.dtype not in SUPPORTED_DTYPES:
-        _fail(f"sources[0] dtype {first.dtype} is not supported; use one of "
+        fail(f"{_OP}sources[0] dtype {first.dtype} is not supported; use one of "
               f"{[str(d) for d in SUPPORTED_DTYPES]}")
     H = first.shape[-1]
     for j, s in enumerate(sources[1:], start=1):
         if s.shape != first.shape:
-            _fail(f"sources[{j}] has shape {tuple(s.shape)} but sources[0] has "
+            fail(f"{_OP}sources[{j}] has shape {tuple(s.shape)} but sources[0] has "
                   f"{tuple(first.shape)}; every source must have one shape [*, H]")
         if s.dtype != first.dtype:
-            _fail(f"sources[{j}] dtype {s.dtype} differs from sources[0] dtype {first.dtype}; "
+            fail(f"{_OP}sources[{j}] dtype {s.dtype} differs from sources[0] dtype {first.dtype}; "
                   "cast every source to one dtype")
         if s.device != first.device:
-            _fail(f"sources[{j}] is on {s.device} but sources[0] is on {first.device}; "
+            fail(f"{_OP}sources[{j}] is on {s.device} but sources[0] is on {first.device}; "
                   "move every source to one device")
     for name, w in (("norm_weight", a.norm_weight), ("qk_weight", a.qk_weight)):
         if w is None:
             continue
         if w.dim() != 1 or w.shape[0] != H:
-            _fail(f"{name} must be 1-D [H] with H={H} (the sources' last dim), got shape "
+            fail(f"{_OP}{name} must be 1-D [H] with H={H} (the sources' last dim), got shape "
                   f"{tuple(w.shape)}")
         if not w.dtype.is_floating_point:
-            _fail(f"{name} dtype {w.dtype} is not a floating dtype")
+            fail(f"{_OP}{name} dtype {w.dtype} is not a floating dtype")
         if w.device != first.device:
-            _fail(f"{name} is on {w.device} but the sources are on {first.device}")
+            fail(f"{_OP}{name} is on {w.device} but the sources are on {first.device}")
     if not eps >= 0.0:
-        _fail(f"eps={eps} must be a non-negative float")
+        fail(f"{_OP}eps={eps} must be a non-negative float")
     if out_dtype is not None and out_dtype not in SUPPORTED_DTYPES:
-        _fail(f"out_dtype {out_dtype} is not supported; use one of "
+        fail(f"{_OP}out_dtype {out_dtype} is not supported; use one of "
               f"{[str(d) for d in SUPPORTED_DTYPES]} or None (the sources' dtype)")
 
 

@@ -91,7 +91,7 @@ def _cases(names, tokens, stacks):
             base = cand = k3("torch", cheap=name == "wiring")
         for T in tokens:
             if name == "site":
-                inputs = (torch.randn(T, 1024, generator=g), torch.randn(T, 8, 1024, generator=g))
+                inputs = Site.inputs(T)
             else:
                 inputs = (torch.arange(T) % 1024,)
             yield name, f"T={T}", base, cand, inputs

@@ -71,8 +71,7 @@ def wiring_model(args):
 
 def site_model(args):
     T, H, nb = args.site_tokens, args.site_hidden, 8
-    g = torch.Generator().manual_seed(0)
-    prefix, bank = torch.randn(T, H, generator=g), torch.randn(T, nb, H, generator=g)
+    prefix, bank = Site.inputs(T, H, nb)
     for t in (prefix, bank):
         t.requires_grad_(args.train)
     desc = f"one pre-norm mixture, bank[:, :{nb}] + prefix, T={T} H={H}"

@@ -9,6 +9,7 @@ from typing import cast
 
 import torch
 
+from kimi_passes.bench.harness import op_args
 from kimi_passes.graphs.k3 import K3Config, K3Model, attn_res_torch
 
 
@@ -44,6 +45,13 @@ class Site(torch.nn.Module):
     def forward(self, prefix, bank):
         return attn_res_torch(prefix, None, bank, self.norm_weight, self.qk_weight, None,
                               self.nb, -1, 1e-6, 1e-6)
+
+    @staticmethod
+    def inputs(T: int, H: int = 1024, nb: int = 8, seed: int = 0):
+        """Seeded ``(prefix, bank)`` of ``T`` tokens: the op's argument builder's
+        (``harness.op_args``), the bank of ``nb`` slots."""
+        a = op_args(T, H, nb, slots=nb, seed=seed)
+        return a.prefix, a.blocks
 
 
 class WiredStack(torch.nn.Module):

@@ -36,7 +36,7 @@ def scalar_arg(node: Node, i: int) -> float:
     return value
 
 
-def node_arg(value) -> Node:
+def as_node(value) -> Node:
     """``value`` (an FX argument) as the node it must be; ``NoMatch`` if it is a constant."""
     if not isinstance(value, Node):
         raise NoMatch(f"{value!r} is not a node")

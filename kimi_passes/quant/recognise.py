@@ -40,7 +40,7 @@ from kimi_passes.fx.fx_toolkit import (
     dtype_of,
     is_lossless,
 )
-from kimi_passes.fx.match import NoMatch, is_call, need, node_arg, scalar, scalar_arg
+from kimi_passes.fx.match import NoMatch, as_node, is_call, need, scalar, scalar_arg
 from kimi_passes.ops.attn_res_args import AttnResQuantArgs
 
 aten = torch.ops.aten
@@ -142,7 +142,7 @@ class _Chain:
         self.nodes: set[Node] = set()
 
     def take(self, node) -> Node:
-        node = node_arg(node)
+        node = as_node(node)
         self.nodes.add(node)
         return node
 
@@ -168,10 +168,10 @@ def _walk(cast: Node, qdtype: torch.dtype) -> QuantSite:
     chain.take(prod)
     a, b = prod.args
     values, other = (b, a) if _reciprocal(a) is not None else (a, b)
-    recip = chain.take(node_arg(_reciprocal(other)))
+    recip = chain.take(as_node(_reciprocal(other)))
     chain.take(other)
     source = _widened_source(chain, values)
-    scale = node_arg(recip.args[0])
+    scale = as_node(recip.args[0])
     divide, scale_floor, amax = _scale(chain, scale, qmax)
     amax_floor, scale_ub = _amax(chain, amax, source)
     need(dtype_of(scale) == torch.float32)
