@@ -47,6 +47,7 @@ import kimi_passes.vllm.k3_route as route  # noqa: E402
 from kimi_passes.config.stream import ENV_VAR  # noqa: E402
 from kimi_passes.fx.manager import PassObserver  # noqa: E402
 from kimi_passes.ops import AttnResArgumentError  # noqa: E402
+from kimi_passes.vllm import k3_eager  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("aten_fallback", "caches_off")]
 
@@ -98,15 +99,18 @@ def load_vllm_plugins(env: str | None) -> None:
 
 @pytest.fixture
 def routed():
-    """vLLM's K3 ``attn_res`` routed as a user's vLLM process routes it.
+    """vLLM's K3 ``attn_res`` routed as a user's vLLM process routes it; in eager, the
+    calls that are no capture's consumer run ``kimi::attn_res`` standing in for vLLM's own
+    kernel (its interpreted launch takes ~7 s at T = 300; tests/test_vllm_k3_eager.py).
 
     The plugin imports the platform's K3 package (here the NVIDIA forward, as on CUDA);
     the ROCm module is imported first, as a ROCm process's package import does.
     """
     h.vllm_modules()
-    load_vllm_plugins("attn_res")
-    yield
-    route.unroute_attn_res()
+    with h.with_own_attn_res(h.kimi_own, h.kimi_own):  # vLLM's own kernel's stand-in
+        load_vllm_plugins("attn_res")
+        yield
+        route.unroute_attn_res()
 
 
 _truth: dict = {}
@@ -179,19 +183,22 @@ def test_vllm_k3_plugin_routes_attn_res_only_when_enabled():
     assert (nvidia.attn_res, amd.attn_res) == own
 
 
-def test_vllm_k3_route_is_vllms_own_kernel(routed):
-    """The route (``kimi::attn_res``) against vLLM's own Triton ``attn_res`` (interpreted),
-    on the installed NVIDIA forward, flag on: every aux state and the output."""
+def test_vllm_k3_stand_in_is_vllms_own_kernel():
+    """``kimi::attn_res``, which stands in for vLLM's own ``attn_res`` where its
+    interpreted kernel is too slow (``h.kimi_own``: this file's ``routed`` and the eager
+    tests at T = 300), against vLLM's Triton ``attn_res`` (interpreted) on the installed
+    NVIDIA forward, flag on: every aux state and the output."""
     T, dtype = 2, torch.float32  # the interpreter runs each of 17 launches row by row
     ids = h.token_ids(SPEC, T)
     with h.flag(True):
         model = h.build(SPEC, h.weights(SPEC), CAPTURE)
-        routed_out = h.call(model, ids)
+        with h.with_own_attn_res(h.kimi_own, h.kimi_own):
+            kimi_out = h.call(model, ids)
         with h.vllm_kernel():
             own_out = h.call(model, ids)
     tol = OP_TOL[dtype]
-    torch.testing.assert_close(routed_out[0], own_out[0], atol=tol, rtol=tol)
-    assert_aux(h.aux_of(routed_out), h.aux_of(own_out), dtype, "routed vs vLLM's kernel")
+    torch.testing.assert_close(kimi_out[0], own_out[0], atol=tol, rtol=tol)
+    assert_aux(h.aux_of(kimi_out), h.aux_of(own_out), dtype, "kimi::attn_res vs vLLM's kernel")
 
 
 @contextlib.contextmanager
@@ -204,8 +211,15 @@ def fp8_platform(fnuz: bool):
         yield quant_utils.get_fp8_min_max()[1]
 
 
+def expect_capture(args):
+    """Make the next ``attn_res`` call with ``args`` a capture's consumer (in eager only
+    consumers run the route's kimi ops; ``k3_eager``)."""
+    k3_eager.expect(args[3], args[0])
+
+
 def test_vllm_k3_amd_route_quant_is_vllms_own_kernel(routed):
-    """The ROCm route's ``quant_dtype`` (``kimi::attn_res_quant``, the platform's bound)
+    """The ROCm route's ``quant_dtype`` at a capture's consumer
+    (``kimi::attn_res_quant_capture``, the platform's bound)
     against vLLM's own AMD ``attn_res(..., quant_dtype=)`` (interpreted, rounding as a GPU
     does: tests/fp8_helpers.py) on the platform it would run on: the same in-place effects,
     and bytes and scales bit for bit on every row whose unquantized outputs agree. The
@@ -224,6 +238,7 @@ def test_vllm_k3_amd_route_quant_is_vllms_own_kernel(routed):
             kernel.QUANT_MAX = platform_max
             v_args, r_args = clone_args(args), clone_args(args)
             v_data, v_scale = kernel.attn_res(*v_args, quant_dtype=qd)
+            expect_capture(r_args)  # a capture's consumer: the route's kimi quant op
             data, scale = amd.attn_res(*r_args, quant_dtype=qd)
             agree = (amd.attn_res(*clone_args(args))
                      == kernel.attn_res(*clone_args(args))).all(1)
@@ -237,11 +252,14 @@ def test_vllm_k3_amd_route_quant_is_vllms_own_kernel(routed):
     x = torch.zeros(2, SPEC.hidden)
     blocks, w = torch.zeros(2, 1, SPEC.hidden), torch.ones(SPEC.hidden)
     call = (x, None, blocks, w, w, None, 0, -1, 1e-6, 0.0)
+    expect_capture(call)
     with pytest.raises(AttnResArgumentError, match="quant_dtype torch.float8_e5m2 is not "
                                                    "supported"):
         amd.attn_res(*call, quant_dtype=torch.float8_e5m2)
+    expect_capture(call)
     with fp8_platform(False), pytest.raises(ValueError, match="FP8 bound is 448"):
         amd.attn_res(*call, quant_dtype=fnuz)
+    k3_eager._expected.clear()
 
 
 @pytest.mark.heavy

@@ -325,3 +325,72 @@ def count_attn_res(graph: torch.fx.Graph) -> int:
         if name.startswith("kimi::attn_res"):
             n += 1
     return n
+
+
+# ------------------------------------------------ the eager route (k3_eager), as vLLM runs K3
+
+def kimi_own(*args, quant_dtype=None, **kwargs):
+    """Stand-in for vLLM's own ``attn_res`` (NVIDIA or ROCm signature) where its interpreted
+    kernel is too slow here (T = 300: ~7 s a call): ``kimi::attn_res`` (``_quant``), the same
+    arithmetic (tests/test_vllm_k3.py checks it against vLLM's kernel)."""
+    from kimi_passes.ops.attn_res_args import AttnResArgs
+
+    a = AttnResArgs(*args, **kwargs)
+    if quant_dtype is None:
+        return torch.ops.kimi.attn_res(*a)
+    return torch.ops.kimi.attn_res_quant(*a, quant_dtype)
+
+
+def vllm_amd_attn_res():
+    """vLLM's ROCm ``attn_res`` from its installed source (interpreted), without quant."""
+    from fp8_helpers import vllm_amd
+
+    return vllm_amd().attn_res
+
+
+@contextlib.contextmanager
+def with_own_attn_res(nvidia_fn, amd_fn):
+    """vLLM's own ``attn_res`` in the K3 modules, before the plugin routes them: what the
+    eager route runs at every call that is not a capture's consumer."""
+    import sys
+
+    nvidia, amd = vllm_modules()
+    with mock.patch.object(nvidia, "attn_res", nvidia_fn), \
+            mock.patch.object(sys.modules["vllm.models.kimi_k3.nvidia.ops"], "attn_res",
+                              nvidia_fn), \
+            mock.patch.object(amd, "attn_res", amd_fn):
+        yield
+
+
+class Calls(torch.utils._python_dispatch.TorchDispatchMode):
+    """The AttnRes calls of one forward: kimi ops (by name) and vLLM's own ``attn_res``
+    (``own``, a counting wrapper: its Triton launch is no torch op)."""
+
+    def __init__(self):
+        super().__init__()
+        self.kimi: list[str] = []
+        self.own: list[str] = []
+        self._in_own = False  # a stand-in's own kimi op is vLLM's call, counted once
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "kimi" and not self._in_own:
+            self.kimi.append(func._opname)
+        return func(*args, **(kwargs or {}))
+
+    def wrap(self, fn):
+        """``fn`` counted: each call recorded as ``pure`` (no delta, no output norm: vLLM's
+        flag-on capture mixing) or ``site``."""
+
+        def counted(*args, **kwargs):
+            from kimi_passes.ops.attn_res_args import AttnResArgs
+
+            a = AttnResArgs(*args, **{k: v for k, v in kwargs.items() if k != "quant_dtype"})
+            pure = a.delta is None and a.output_norm_weight is None
+            self.own.append("pure" if pure else "site")
+            self._in_own = True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._in_own = False
+
+        return counted

@@ -1,0 +1,407 @@
+"""vLLM 0.33.0's Kimi K3 as vLLM runs it: vLLM's config decides the mode, then the stream.
+
+vLLM's own config code (``VllmConfig``'s breakable-CUDA-graph resolution for a K3
+architecture, ``EngineArgs`` for the README's command) decides how K3 runs; the plan
+(``kimi_passes.vllm.k3_plan``) serves or refuses it; the installed K3 forward runs in that
+mode with the plugin loaded by vLLM's ``load_general_plugins``. The truth for every aux
+state: the installed NVIDIA code's flag-on eager output, every call vLLM's own ``attn_res``.
+
+Stand-ins (only for what needs a GPU): tests/vllm_k3_harness.py's attention, MoE/MLP,
+embedding, norm/projection holders and PP group; vLLM's own ``attn_res`` is its installed
+NVIDIA / ROCm Triton kernel, interpreted (``TRITON_INTERPRET=1``) at T = 1 and 8, and
+``kimi::attn_res`` (``h.kimi_own``) at T = 300, where the interpreter takes ~7 s a call;
+``KimiLinearModel.__init__`` builds GPU modules, so the test calls the plan it runs
+(``k3_plan.startup``) on the harness's model; vLLM's platform is mocked (CUDA or ROCm)
+where the resolution reads it; sequence parallelism's collectives are one rank's identity.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import re
+import shlex
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:  # test_vllm_required.py fails on CI then
+    pytest.skip("vLLM is not installed (bash tools/install_vllm.sh installs it)",
+                allow_module_level=True)
+
+import torch  # noqa: E402
+import vllm_k3_harness as h  # noqa: E402
+from op_helpers import OP_TOL  # noqa: E402
+from test_vllm_k3 import load_vllm_plugins  # noqa: E402
+
+import kimi_passes.vllm.k3_route as route  # noqa: E402
+from kimi_passes.config.stream import ENV_VAR  # noqa: E402
+from kimi_passes.ops.attn_res_args import AttnResArgs  # noqa: E402
+from kimi_passes.vllm import k3_eager, k3_plan  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("aten_fallback", "caches_off")]
+
+SPEC = h.Spec()  # 6 layers, H=64, blocks of 2
+CAPTURE = (0, 2, 3, 5, 6)  # the embedding, a block boundary, mid-block, mid-block, L
+FUSED = 4  # captures read out of a consumer's call (id 0 is the embedding itself)
+SITES = 2 * SPEC.num_layers + 1  # two mixing calls per layer, the output aggregation
+TS = (1, 8, 300)
+ROOT = Path(__file__).resolve().parent.parent
+BREAKABLE = "VLLM_USE_BREAKABLE_CUDAGRAPH"
+
+
+def own_kernels(T: int):
+    """vLLM's own ``attn_res`` (NVIDIA, ROCm) at token count ``T`` (see the docstring)."""
+    if T > 8:
+        return h.kimi_own, h.kimi_own
+    return h.vllm_attn_res(), h.vllm_amd_attn_res()
+
+
+@contextlib.contextmanager
+def served(T: int, stream: str = "attn_res", calls: h.Calls | None = None):
+    """The plugin loaded as vLLM loads it, vLLM's own kernels (counted) at non-consumers."""
+    nvidia_fn, amd_fn = own_kernels(T)
+    if calls is not None:
+        nvidia_fn, amd_fn = calls.wrap(nvidia_fn), calls.wrap(amd_fn)
+    with h.with_own_attn_res(nvidia_fn, amd_fn):
+        load_vllm_plugins(stream)
+        try:
+            yield
+        finally:
+            route.unroute_attn_res()
+
+
+_truth: dict = {}
+
+
+def truth(dtype, T, ids=CAPTURE):
+    """The installed NVIDIA code's flag-on eager aux states, vLLM's own kernel everywhere."""
+    key = (dtype, T, ids)
+    if key not in _truth:
+        with h.with_own_attn_res(*own_kernels(T)), h.flag(True):
+            model = h.build(SPEC, h.weights(SPEC, dtype), ids)
+            _truth[key] = h.aux_of(h.call(model, h.token_ids(SPEC, T)))
+    return _truth[key]
+
+
+def assert_aux(got, want, dtype, what):
+    assert len(got) == len(want), f"{what}: {len(got)} aux states, want {len(want)}"
+    tol = OP_TOL[dtype]
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.shape == w.shape, f"{what}: aux {i} has shape {tuple(g.shape)}"
+        torch.testing.assert_close(g, w, atol=tol, rtol=tol,
+                                   msg=lambda m, i=i: f"{what}: aux {i} is not the stream: {m}")
+
+
+# ---------------------------------------------------------------- vLLM's config resolution
+
+@contextlib.contextmanager
+def platform(rocm: bool):
+    """vLLM's platform answering ``is_rocm()`` (its breakable-architecture list is cached)."""
+    from vllm.config import vllm as config_vllm
+    from vllm.platforms import current_platform
+
+    config_vllm.default_breakable_cudagraph_architectures.cache_clear()
+    try:
+        with mock.patch.object(type(current_platform), "is_rocm", lambda self: rocm):
+            yield
+    finally:
+        config_vllm.default_breakable_cudagraph_architectures.cache_clear()
+
+
+def resolved(cc: dict, breakable: str | None, rocm: bool = False, extra=None):
+    """A ``VllmConfig`` for a K3 checkpoint after vLLM's breakable-CUDA-graph resolution.
+
+    Built without ``VLLM_USE_BREAKABLE_CUDAGRAPH`` (its ``__post_init__`` has no model to
+    read), given K3's architecture, then resolved by vLLM's own method with the variable
+    as the user set it; ``os.environ`` is restored (the method writes it)."""
+    from vllm.config import CompilationConfig, VllmConfig
+
+    env = {k: v for k, v in os.environ.items() if k != BREAKABLE}
+    with mock.patch.dict(os.environ, env, clear=True):
+        config = VllmConfig(compilation_config=CompilationConfig(**cc),
+                            additional_config=extra or {})
+        model = mock.Mock(architectures=["KimiK3ForConditionalGeneration"])
+        object.__setattr__(config, "model_config", model)
+        if breakable is not None:
+            os.environ[BREAKABLE] = breakable
+        with platform(rocm):
+            config._maybe_enable_breakable_cudagraph()
+        resolved_env = dict(os.environ)
+    return config, resolved_env
+
+
+def plan_for(config, env, stream="attn_res", sp=False):
+    with mock.patch.dict(os.environ, env, clear=True):
+        return k3_plan.serving_plan(config, stream=stream, sequence_parallel=sp)
+
+
+STOCK = {"mode": 1, "backend": "kimi"}
+CASES = [  # (-cc, VLLM_USE_BREAKABLE_CUDAGRAPH, ROCm) -> "eager" / "compiled" / refusal
+    ({}, None, False, "eager"), ({"mode": 0}, None, False, "eager"),
+    (STOCK, None, False, "eager"), ({"mode": 1, "backend": "inductor"}, None, False, "eager"),
+    ({"mode": 3}, None, False, "eager"), (STOCK, "1", False, "eager"),
+    (STOCK, "0", False, "compiled"), ({"mode": 3}, "0", False, "eager"),
+    ({"mode": 1, "backend": "inductor"}, "0", False, "backend 'inductor'"),
+    ({"mode": 0}, "0", False, "eager"),
+    (STOCK, None, True, "compiled"), ({"mode": 1, "backend": "inductor"}, None, True,
+                                      "backend 'inductor'"),
+    ({}, None, True, "eager"), (STOCK, "1", True, "eager"),
+]
+
+
+@pytest.mark.parametrize(("cc", "breakable", "rocm", "want"), CASES,
+                         ids=lambda v: re.sub(r"\W+", "", str(v)))
+def test_vllm_config_resolution_decides_the_route(cc, breakable, rocm, want):
+    """Every ``-cc`` mode a user may pass, with and without the variable, NVIDIA and ROCm:
+    vLLM's resolution, then served (eager / the pass) or refused naming the fix."""
+    config, env = resolved(cc, breakable, rocm)
+    if want in ("eager", "compiled"):
+        plan = plan_for(config, env)
+        assert plan.route == want, (cc, breakable, rocm, plan)
+        if want == "compiled":
+            assert "FailOnRecompileLimitHit" in plan.why
+        return
+    with pytest.raises(k3_plan.VllmRouteError, match=rf"{want}.*Drop the -cc mode.*{ENV_VAR}"):
+        plan_for(config, env)
+    assert plan_for(config, env, stream="prefix").stream == "prefix"  # vLLM's own values
+
+
+def test_vllm_k3_refusals_name_the_fix():
+    """The specialized decode executor, and sequence parallelism compiled, are refused;
+    sequence parallelism in eager is served."""
+    config, env = resolved({}, None, extra={"decode_backend": "latency_specialized"})
+    with pytest.raises(k3_plan.VllmRouteError, match="specialized decode.*Drop decode_backend"):
+        plan_for(config, env)
+    config, env = resolved(STOCK, "0")
+    with pytest.raises(k3_plan.VllmRouteError, match="sequence parallelism.*Drop the -cc"):
+        plan_for(config, env, sp=True)
+    config, env = resolved({}, None)
+    assert plan_for(config, env, sp=True).route == "eager"
+
+
+# ----------------------------------------------------------------- the eager route, served
+
+def run_eager(vendor, dtype, T, on, *, ids=CAPTURE, at_capture=None, **build):
+    """One eager forward of the installed code under the plugin; its aux and its calls.
+
+    ``at_capture``: a list that gets, at each capture's consumer call and before it runs,
+    what vLLM's flag-on capture computes there: vLLM's own ``attn_res`` of ``prefix +
+    pending`` with no delta and no output norm, over the consumer's bank, weights and
+    ``num_blocks`` (``_capture_aux_hidden_stream``).
+    """
+    calls = h.Calls()
+    config, env = resolved({}, None)
+    own = own_kernels(T)[vendor == "amd"]
+    claim = k3_eager.claim
+
+    def claim_and_record(args, kwargs):
+        buffer = claim(args, kwargs)
+        if buffer is not None and at_capture is not None:
+            a = AttnResArgs(*args, **kwargs)
+            prefix = a.prefix if a.delta is None else a.prefix + a.delta
+            with torch.utils._python_dispatch._disable_current_modes():  # not the forward's
+                at_capture.append(own(prefix, None, a.blocks.clone(), a.norm_weight, a.qk_weight,
+                                      None, a.num_blocks, -1, a.eps, 0.0))
+        return buffer
+
+    with served(T, calls=calls), h.flag(on), \
+            mock.patch.object(k3_eager, "claim", claim_and_record):
+        model = h.build(SPEC, h.weights(SPEC, dtype), ids, amd=vendor == "amd", **build)
+        plan = k3_plan.startup(model, config, "attn_res")  # what __init__ runs
+        assert plan.route == "eager", plan
+        calls.own.clear()
+        with calls:
+            out = h.call(model, h.token_ids(SPEC, T), pp=build.get("pp", h.Stage()))
+    return out, calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("vendor", ["nvidia", "amd"])
+def test_vllm_k3_eager_route_serves_the_stream(vendor, dtype):
+    """vLLM's flag off and on, T = 1, 8, 300: every aux state is its consumer's pre-norm
+    mixture, every forward makes the flag-off number of AttnRes calls (one per site), the
+    captures' consumers are ``kimi::attn_res_capture`` and no pure mixing call is left."""
+    for T in TS:
+        for on in (False, True):
+            at_capture: list = []
+            out, calls = run_eager(vendor, dtype, T, on, at_capture=at_capture)
+            what = f"{vendor} {dtype} T={T} flag {on}"
+            aux = h.aux_of(out)
+            # Each capture against vLLM's flag-on capture at that point of this forward;
+            # fp32 also against vLLM's whole flag-on forward (in bf16 the stand-ins amplify
+            # the consumers' last-bit differences with depth: docs/testing.md, Tolerances).
+            assert_aux(aux[1:], at_capture, dtype, f"{what}, at each capture")
+            if dtype == torch.float32:
+                assert_aux(aux, truth(dtype, T), dtype, what)
+            assert calls.kimi == ["attn_res_capture"] * FUSED, (what, calls.kimi)
+            assert calls.own == ["site"] * (SITES - FUSED), (what, calls.own)
+
+
+def test_vllm_k3_eager_route_pp_stages():
+    """Two PP stages of the installed NVIDIA code, eager: layers [0, 4) pack captures 0, 2
+    and 3 into vLLM's carry, [4, 6) collects them and adds 5 and 6."""
+    first, last = h.Stage(is_last_rank=False, world_size=2), \
+        h.Stage(is_first_rank=False, world_size=2)
+    w = h.weights(SPEC)
+    config, env = resolved({}, None)
+    for T in (1, 8):
+        for on in (False, True):
+            calls = h.Calls()
+            with served(T, calls=calls), h.flag(on):
+                stages = [h.build(SPEC, w, CAPTURE, start=0, end=4, pp=first),
+                          h.build(SPEC, w, CAPTURE, start=4, end=6, pp=last)]
+                for m in stages:
+                    k3_plan.startup(m, config, "attn_res")
+                ids = h.token_ids(SPEC, T)
+                calls.own.clear()
+                with calls:
+                    carry = h.call(stages[0], ids, pp=first)
+                    assert len(h.aux_of(carry)) == 3
+                    out = h.call(stages[1], ids, pp=last, carry=carry)
+            assert_aux(h.aux_of(out), truth(torch.float32, T), torch.float32,
+                       f"PP stages, T={T}, flag {on}")
+            assert len(calls.kimi) == FUSED and len(calls.own) == SITES - FUSED
+
+
+def test_vllm_k3_eager_route_refuses_a_stage_crossing_capture():
+    """Capture id 4 at the end of stage [0, 4): its consumer is on the next stage. vLLM
+    refuses it flag on; flag off it would hand the drafter the prefix: refused too."""
+    stage = h.Stage(is_last_rank=False, world_size=2)
+    with served(1), h.flag(False), pytest.raises(RuntimeError, match=(
+            r"capture id 4 is this pipeline stage's last layer .*\[0, 4\).*VLLM_PP_LAYER")):
+        h.build(SPEC, h.weights(SPEC), (0, 4), start=0, end=4, pp=stage)
+
+
+def test_vllm_k3_eager_route_sequence_parallel():
+    """Sequence parallelism (NVIDIA), its collectives one rank's identity: the captures
+    are fused on the shard and gathered by vLLM as its flag-on values are."""
+    nvidia, _ = h.vllm_modules()
+    identity = {name: (lambda x, *a, **k: x) for name in
+                ("sp_shard", "sp_all_gather", "sp_reduce_scatter")}
+    with mock.patch.multiple(nvidia, **identity):
+        calls = h.Calls()
+        config, env = resolved({}, None)
+        with served(8, calls=calls), h.flag(False):
+            model = h.build(SPEC, h.weights(SPEC), CAPTURE)
+            model.use_sequence_parallel = True
+            for layer in model.layers:
+                layer.use_sequence_parallel = True
+            assert plan_for(config, env, sp=True).route == "eager"
+            with calls:
+                out = h.call(model, h.token_ids(SPEC, 8))
+    assert_aux(h.aux_of(out), truth(torch.float32, 8), torch.float32, "sequence parallel")
+    assert len(calls.kimi) == FUSED
+
+
+def test_vllm_k3_eager_route_prefix_stream_is_vllms_own():
+    """``$KIMI_PASSES_AUX_STREAM=prefix``: vLLM's values, bit for bit, flag off and on."""
+    for on in (False, True):
+        with h.with_own_attn_res(*own_kernels(8)), h.flag(on):
+            want = h.aux_of(h.call(h.build(SPEC, h.weights(SPEC), CAPTURE),
+                                   h.token_ids(SPEC, 8)))
+        with served(8, stream="prefix"), h.flag(on):
+            got = h.aux_of(h.call(h.build(SPEC, h.weights(SPEC), CAPTURE),
+                                  h.token_ids(SPEC, 8)))
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w), f"flag {on}"
+
+
+def test_vllm_k3_eager_route_quant_consumer():
+    """A ROCm consumer with FP8 output (``quant_dtype``): ``kimi::attn_res_quant_capture``,
+    its bytes and scales ``attn_res_quant``'s, the capture ``attn_res_capture``'s mixture."""
+    from op_helpers import clone_args, make_args
+
+    _, amd = h.vllm_modules()
+    args = make_args(6, 64, 4, 3, 3, torch.bfloat16, delta=True, onorm=True, seed=5)
+    fp8 = torch.float8_e4m3fn
+    with served(8), mock.patch.object(route, "_platform_quant_max", lambda dtype: 448.0):
+        want_data, want_scale = torch.ops.kimi.attn_res_quant(*clone_args(args), fp8,
+                                                              quant_max=448.0)
+        want_mixed = torch.ops.kimi.attn_res_capture(*clone_args(args))[1]
+        got_args = clone_args(args)
+        aux = k3_eager.expect(got_args[3], got_args[0])
+        data, scale = amd.attn_res(*got_args, quant_dtype=fp8)
+    assert torch.equal(data.view(torch.uint8), want_data.view(torch.uint8))
+    assert torch.equal(scale, want_scale) and torch.equal(aux, want_mixed)
+
+
+def test_vllm_k3_eager_plan_refuses_a_dynamo_trace():
+    """A forward vLLM's config runs eagerly but Dynamo traces (a user's own
+    ``torch.compile`` of the model) is refused at the capture, not served the prefix."""
+    config, env = resolved({}, None)
+    with served(8), h.flag(False):
+        model = h.build(SPEC, h.weights(SPEC), CAPTURE)
+        k3_plan.startup(model, config, "attn_res")
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="eager", fullgraph=True)
+        with pytest.raises(Exception, match="traced by Dynamo though vLLM's config runs it "
+                                            "eagerly"):
+            h.call(compiled, h.token_ids(SPEC, 8))
+    torch._dynamo.reset()
+
+
+def test_vllm_k3_init_runs_the_plan():
+    """``KimiLinearModel.__init__`` (vLLM's own, replaced by a stand-in that builds
+    nothing) is followed by the plan for the config it was given, kept on the model."""
+    nvidia, _ = h.vllm_modules()
+    config, env = resolved({"mode": 1, "backend": "inductor"}, "0")
+    with mock.patch.object(nvidia.KimiLinearModel, "__init__",
+                           lambda self, *, vllm_config, prefix="": None), \
+            mock.patch.dict(os.environ, env, clear=True):
+        with served(1):
+            with pytest.raises(k3_plan.VllmRouteError, match="backend 'inductor'"):
+                nvidia.KimiLinearModel(vllm_config=config)
+            config, env = resolved({}, None)
+            model = nvidia.KimiLinearModel(vllm_config=config)
+            assert model._kimi_passes_plan.route == "eager"
+        assert not hasattr(nvidia.KimiLinearModel.__init__, "__wrapped__")  # unrouted
+
+
+# ------------------------------------------------------------------- the README's command
+
+def readme_vllm_command() -> str:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## With vLLM", 1)[1].split("\n## ", 1)[0]
+    commands = re.findall(r"```bash\n(.*?vllm serve .*?)\n```", section, re.S)
+    assert commands, "README's 'With vLLM' section has no `vllm serve` command"
+    return commands[0]
+
+
+@pytest.mark.heavy
+def test_readme_vllm_command_through_vllms_engine_args(tmp_path):
+    """The README's ``vllm serve`` command, parsed by vLLM's own ``EngineArgs`` and
+    resolved by ``create_engine_config`` (a K3 ``config.json`` for the checkpoint, no
+    tokenizer here: ``--skip-tokenizer-init`` added), NVIDIA and ROCm platforms: served
+    eagerly; the installed forward then returns the stream with no pure mixing call."""
+    import vllm.plugins
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    words = shlex.split(readme_vllm_command())
+    env = dict(w.split("=", 1) for w in words[:words.index("vllm")])
+    assert env.get(ENV_VAR) == "attn_res", env
+    args = words[words.index("serve") + 1:]
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3"}))
+    args = ["--model", str(tmp_path), *args[1:], "--skip-tokenizer-init"]
+    clean = {k: v for k, v in os.environ.items() if k != BREAKABLE}
+    for rocm in (False, True):
+        with mock.patch.dict(os.environ, {**clean, **env, "HF_HUB_OFFLINE": "1"}, clear=True), \
+                platform(rocm), mock.patch.object(vllm.plugins, "plugins_loaded", False):
+            parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+            try:
+                config = EngineArgs.from_cli_args(parser.parse_args(args)).create_engine_config()
+                # vLLM loaded our entry point itself (pip install -e . declares it).
+                assert route._originals, "vLLM did not load the kimi_passes plugin"
+            finally:
+                route.unroute_attn_res()
+            plan = k3_plan.serving_plan(config, stream=os.environ[ENV_VAR],
+                                        sequence_parallel=False)
+        assert plan.route == "eager", (rocm, plan)
+    out, calls = run_eager("nvidia", torch.float32, 8, False)
+    assert_aux(h.aux_of(out), truth(torch.float32, 8), torch.float32, "README command")
+    assert "pure" not in calls.own and len(calls.kimi) == FUSED
