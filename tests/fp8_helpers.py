@@ -1,19 +1,17 @@
 """FP8 quant comparisons against vLLM's AMD K3 kernel, shared by the tests that make them.
 
-vLLM's AMD K3 kernel (``vllm/models/kimi_k3/amd/ops/attn_res.py``) is read from the
-installed vLLM as ``tools/kernel_build.py --vllm-peer`` does (``vllm_amd``): its launcher
-``attn_res`` takes ``QUANT_MAX`` from the module global a caller sets, where vLLM's reads
-its platform. Under the interpreter its fp32 -> bf16 / fp16 / fp8 conversions are not a
-GPU's (bf16 truncates; fp8 rounds ties away from zero and truncates subnormals), so
-``gpu_rounding`` rounds them to nearest even, through torch, as the hardware does.
+vLLM's AMD K3 kernel (``vllm/models/kimi_k3/amd/ops/attn_res.py``) is loaded as the
+benchmarks and ``tools/kernel_build.py --vllm-peer`` load it (``vllm_amd``:
+``kimi_passes.bench.vllm_peer.load_peer("amd")``): its launcher ``attn_res`` takes the FP8
+bound from the module global ``QUANT_MAX`` a caller sets, where vLLM's reads its platform.
+Under the interpreter its fp32 -> bf16 / fp16 / fp8 conversions are not a GPU's (bf16
+truncates; fp8 rounds ties away from zero and truncates subnormals), so ``gpu_rounding``
+rounds them to nearest even, through torch, as the hardware does.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import importlib.util
-from pathlib import Path
 from unittest import mock
 
 import numpy as np
@@ -57,12 +55,15 @@ def gpu_rounding():
         yield
 
 
-@functools.cache
 def vllm_amd():
-    """vLLM's AMD K3 module (kernel and launcher), loaded by tools/kernel_build.py."""
-    tool = Path(__file__).resolve().parent.parent / "tools" / "kernel_build.py"
-    spec = importlib.util.spec_from_file_location("kernel_build_for_quant", tool)
-    assert spec is not None and spec.loader is not None
-    kb = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(kb)
-    return kb.vllm_amd_module()
+    """vLLM's AMD K3 module (kernel and launcher), loaded once a process by
+    ``kimi_passes.bench.vllm_peer``; the test skips where vLLM is neither installed nor
+    prepared."""
+    import pytest
+
+    from kimi_passes.bench.vllm_peer import PeerError, load_peer
+
+    try:
+        return load_peer("amd").module
+    except PeerError as e:
+        pytest.skip(str(e))

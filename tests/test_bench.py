@@ -125,3 +125,151 @@ def test_help_lists_the_subcommands(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert all(f"  {name} " in out for name in bench.SUBCOMMANDS), out
+
+
+# --------------------------------------------------------------------------- verdicts
+
+#: The fields of a candidate's record in every bench's JSON rows (harness.verdict).
+VERDICT_KEYS = {"candidate", "T", "time", "ratio", "err", "tol", "verdict", "reason"}
+TINY_OP = ["--quick", "--only", "op", "--T", "2", "--H", "64", "--blocks", "2", "--dtypes",
+           "bfloat16", "--no-compiled", "--rounds", "2", "--block-ms", "1", "--threads", "1",
+           "--no-plot"]
+
+
+def _by_name(row: dict) -> dict[str, dict]:
+    assert all(set(c) == VERDICT_KEYS for c in row["candidates"]), row["candidates"]
+    return {c["candidate"]: c for c in row["candidates"]}
+
+
+def test_op_candidate_off_or_raising_is_a_miss_with_its_reason(tmp_path, monkeypatch, capsys):
+    """A wrong kernel is timed and flagged, one that raises is dropped from the timing; both
+    print MISS with the reason on their row and are in the JSON; the op still meets bf16's
+    tolerance."""
+    from kimi_passes.bench import op
+
+    real = op._op_factories
+
+    def with_bad_candidates(cfg, variant, dtype):
+        makers, notes = real(cfg, variant, dtype)
+        makers["wrong"] = lambda a: lambda: torch.ops.kimi.attn_res(*a) * 1.5
+
+        def boom(a):
+            def call():
+                raise RuntimeError("boom\nsecond line")
+            return call
+
+        makers["boom"] = boom
+        return makers, notes
+
+    monkeypatch.setattr(op, "_op_factories", with_bad_candidates)
+    out = tmp_path / "op.json"
+    assert bench.main([*TINY_OP, "--variants", "full", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    [row] = json.loads(out.read_text())["op"]["rows"]
+    got = _by_name(row)
+    assert got["op"]["verdict"] == "MET" and got["op"]["err"] <= got["op"]["tol"] == 2e-2
+    assert got["op"]["ratio"] == 1.0 and got["op"]["time"] > 0 and got["op"]["T"] == 2
+    wrong, boom = got["wrong"], got["boom"]
+    assert wrong["verdict"] == "MISS" and wrong["err"] > wrong["tol"] and wrong["time"] > 0
+    assert wrong["reason"] == f"error {wrong['err']:.3g} > tolerance 0.02"
+    assert boom["verdict"] == "MISS" and boom["time"] is None and boom["err"] is None
+    assert boom["reason"] == "raised RuntimeError: boom"
+    assert f"MISS wrong: {wrong['reason']}" in printed
+    assert "MISS boom: raised RuntimeError: boom" in printed
+    assert "2 MISS (each MISS is on its row, with the reason)" in printed
+
+
+def test_a_failing_peer_is_a_miss_on_every_variant(tmp_path, monkeypatch, capsys):
+    """vLLM's kernel that cannot be loaded and a PyPI peer that is off: MISS on the "full"
+    row as on the "read" row, never a column that silently disappears."""
+    from kimi_passes.bench import op
+
+    def peers(args, variant, dtype, device):
+        return ({"vllm-k3": "failed: vLLM's K3 kernel is not available (bash tools/"
+                            "gpu_prepare.sh)",
+                 "flash-attn-res": lambda: torch.zeros_like(args.prefix),
+                 "fast-attnres": "not installed (ImportError)"}, {})
+
+    monkeypatch.setattr(op, "_peer_fns", peers)
+    out = tmp_path / "op.json"
+    assert bench.main([*TINY_OP, "--variants", "read", "full", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    rows = json.loads(out.read_text())["op"]["rows"]
+    assert [r["variant"] for r in rows] == ["read", "full"]
+    for row in rows:
+        got = _by_name(row)
+        assert got["vllm-k3"]["verdict"] == "MISS" and got["vllm-k3"]["time"] is None
+        assert "gpu_prepare.sh" in got["vllm-k3"]["reason"]
+        assert got["flash-attn-res"]["verdict"] == "MISS" and got["flash-attn-res"]["err"] == 1
+        assert "fast-attnres" not in got and row["notes"]["fast-attnres"].startswith("not")
+    # Each row's line, as the run logs it and as the report prints it.
+    assert printed.count("MISS vllm-k3: vLLM's K3 kernel is not available") == 2 * 2
+    assert printed.count("MISS flash-attn-res: error 1 > tolerance 0.02") == 2 * 2
+
+
+def test_quant_candidates_are_held_to_the_unfused_bytes(monkeypatch, capsys):
+    """Without compiling (``_compile`` stood in): a fused way whose bytes differ, a control
+    that raises; the unfused graph is the reference."""
+    from kimi_passes.bench import cli, quant
+
+    data = torch.arange(12, dtype=torch.float32).reshape(3, 4).to(torch.float8_e4m3fn)
+    scale = torch.ones(3, 1)
+
+    def fake_compile(fuse, inputs, nb, eps):
+        if fuse:
+            wrong = data.clone()
+            wrong[1, 2] = 0.0
+            return (lambda *a: None), [], (wrong, scale), 1
+        if calls.append(1) or len(calls) == 2:  # the second unfused way: the control
+            raise RuntimeError("control failed")
+        return (lambda *a: None), [], (data, scale), 0
+
+    calls: list[int] = []
+    monkeypatch.setattr(quant, "_compile", fake_compile)
+    cfg = cli.Config(cli.parse_args(["--quick", "--rounds", "2", "--block-ms", "1",
+                                     "--threads", "1", "--quant-T", "3"]))
+    res = quant.bench_quant(cfg, print)
+    [row] = res["rows"]
+    got = _by_name(row)
+    assert got["unfused"]["verdict"] == "MET" and got["unfused"]["err"] == 0
+    assert got["fused"]["verdict"] == "MISS" and got["fused"]["err"] == 1
+    assert got["fused"]["reason"] == "error 1 > tolerance 0" and got["fused"]["time"] > 0
+    assert got["control"]["reason"] == "raised RuntimeError: control failed"
+    assert not row["bytes_and_scales_equal"] and row["control"] is None
+    printed = capsys.readouterr().out
+    assert "MISS fused: error 1 > tolerance 0" in printed
+    assert "MISS control: raised RuntimeError: control failed" in printed
+
+
+@pytest.mark.usefixtures("aten_fallback")
+def test_decode_candidates_off_or_raising_are_misses(tmp_path, monkeypatch, capsys):
+    """Plain Inductor's place taken by eager (no compile): ``kimi`` off by one, ``kimi-ops``
+    raising; both MISS on the row and in ``--out``'s JSON."""
+    from kimi_passes.bench import decode
+
+    def off(model):
+        return lambda *a: decode.first_tensor(model(*a)) + 1
+
+    def raises(model):
+        def call(*a):
+            raise ValueError("no kernel")
+        return call
+
+    fakes = [off, raises]
+    monkeypatch.setattr(decode, "compiled", lambda model, backend, dynamic:
+                        model if backend == "inductor" else fakes.pop(0)(model))
+    out = tmp_path / "decode.json"
+    n = torch.get_num_threads()
+    try:
+        assert bench.main(["decode", "--models", "site", "--T", "1", "--rounds", "2",
+                           "--block-ms", "1", "--out", str(out)]) == 0
+    finally:
+        torch.set_num_threads(n)
+    [row] = json.loads(out.read_text())["rows"]
+    got = _by_name(row)
+    assert got["inductor"]["verdict"] == "MET" and got["kimi"]["verdict"] == "MISS"
+    assert got["kimi"]["reason"].startswith("error ") and got["kimi"]["tol"] == 1e-3
+    assert got["kimi-ops"]["reason"] == "raised ValueError: no kernel"
+    assert got["kimi-ops"]["time"] is None and got["kimi"]["T"] == 1
+    printed = capsys.readouterr().out
+    assert "MISS kimi: error" in printed and "MISS kimi-ops: raised ValueError" in printed

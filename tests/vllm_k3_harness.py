@@ -271,27 +271,13 @@ def aux_of(out) -> list[torch.Tensor]:
     return [v for k, v in out.tensors.items() if k.startswith("aux_hidden_states_")]
 
 
-TRITON_IMPORT = "from vllm.triton_utils import tl, triton"
-_vllm_attn_res = None
-
-
 def vllm_attn_res():
-    """vLLM's NVIDIA ``attn_res`` from its installed source, with Triton itself imported."""
-    global _vllm_attn_res
-    if _vllm_attn_res is None:
-        import importlib.util
+    """vLLM's NVIDIA ``attn_res``, its installed source unchanged, as the benchmarks load it
+    (``kimi_passes.bench.vllm_peer``: run with stand-ins for vLLM's imports, interpreted
+    where Triton does not compile for a GPU)."""
+    from kimi_passes.bench.vllm_peer import load_peer
 
-        spec = importlib.util.find_spec("vllm.models.kimi_k3.nvidia.ops.attn_res")
-        assert spec is not None and spec.origin is not None
-        with open(spec.origin) as f:
-            source = f.read()
-        assert source.count(TRITON_IMPORT) == 1, f"{spec.origin} changed: {TRITON_IMPORT!r}"
-        source = source.replace(TRITON_IMPORT, "import triton\nimport triton.language as tl")
-        module = types.ModuleType("vllm_k3_attn_res_installed")
-        module.__file__ = spec.origin
-        exec(compile(source, spec.origin, "exec"), module.__dict__)
-        _vllm_attn_res = module.attn_res
-    return _vllm_attn_res
+    return load_peer("nvidia").attn_res
 
 
 def own_attn_res():

@@ -54,7 +54,6 @@ Against it, Little's law: an H200 at ~4.8 TB/s with ~0.8 us of load latency need
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import re
@@ -256,49 +255,19 @@ def _hip_usage(kernel, variant: str) -> dict:
     return dict(use, spills=bool(use["scratch"] or use["vgpr_spills"] or use["sgpr_spills"]))
 
 
-VLLM_AMD_KERNEL = "vllm/models/kimi_k3/amd/ops/attn_res.py"
-
-
-@functools.cache
 def vllm_amd_module():
-    """vLLM's AMD K3 kernel module (``_attn_res_kernel`` and its launcher ``attn_res``), read
-    from the installed vLLM's file. Importing the module would not do on a machine without a
-    GPU: vLLM's ``triton_utils`` then hands out placeholders for ``triton`` / ``tl``. So its
-    two vLLM imports are replaced (the kernel uses no other vLLM name): ``triton`` / ``tl``
-    by triton's, and ``get_fp8_min_max`` (which reads vLLM's platform) by a module global
-    ``QUANT_MAX`` bound that a caller sets per FP8 dtype (vLLM's: 448 for e4m3fn, 224 on
-    fnuz platforms) before a quantizing launch. The file is loaded from a temporary copy,
-    once a process: a new load is a new ``triton.jit`` function, in the mode triton was
-    imported in (compiled here; the interpreter in tests)."""
-    import importlib.util
+    """vLLM's AMD K3 kernel module (``_attn_res_kernel`` and its launcher ``attn_res``), as
+    ``kimi_passes.bench.vllm_peer.load_peer("amd")`` loads it (an installed vLLM or a
+    prepared copy; its file unchanged, run with stand-ins for vLLM's imports on a machine
+    whose Triton does not compile for a GPU), in the mode triton was imported in (compiled
+    here; the interpreter in tests). Its ``get_fp8_min_max`` gives this platform's bound,
+    or the module's ``QUANT_MAX`` where a caller set one (tests emulating an fnuz platform)."""
+    from kimi_passes.bench.vllm_peer import PeerError, load_peer
 
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("kernel_build: vLLM's AMD K3 kernel needs vLLM 0.33.0 installed "
-                         "(bash tools/install_vllm.sh)")
-    path = Path(spec.submodule_search_locations[0]).parent / VLLM_AMD_KERNEL
-    text = path.read_text()
-    imports = {"from vllm.triton_utils import tl, triton\n":
-               "import triton\nimport triton.language as tl\n",
-               "from vllm.model_executor.layers.quantization.utils.quant_utils import "
-               "get_fp8_min_max\n":
-               "QUANT_MAX = None  # set by the caller\n\n\n"
-               "def get_fp8_min_max():\n"
-               "    if QUANT_MAX is None:\n"
-               "        raise RuntimeError('set QUANT_MAX on this module first')\n"
-               "    return -QUANT_MAX, QUANT_MAX\n"}
-    for old, new in imports.items():
-        if old not in text:
-            raise SystemExit(f"kernel_build: {path} no longer has {old.strip()!r}; update "
-                             f"vllm_amd_module for this vLLM")
-        text = text.replace(old, new)
-    tmp = Path(tempfile.mkdtemp()) / "vllm_amd_attn_res.py"
-    tmp.write_text(text)
-    mod_spec = importlib.util.spec_from_file_location("vllm_amd_attn_res", tmp)
-    assert mod_spec is not None and mod_spec.loader is not None  # a .py file we just wrote
-    module = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(module)
-    return module
+    try:
+        return load_peer("amd").module
+    except PeerError as e:
+        raise SystemExit(f"kernel_build: {e}") from e
 
 
 def _vllm_amd_kernel():
@@ -310,7 +279,8 @@ def build_vllm_amd(dtype: str, H: int, tokens: int, arch: str = HIP_ARCH, nb: in
     built for ``arch`` as its ``attn_res`` launches it for a call of ``tokens`` rows with a
     delta, a block write and the output norm over ``nb`` blocks (hidden size, strides and
     counts are constexprs there): 4 sources a tile and 8 warps below 256 tokens, else 1 and 4.
-    Needs vLLM installed (``bash tools/install_vllm.sh``)."""
+    Needs vLLM installed (``bash tools/install_vllm.sh``) or a prepared copy
+    (``vllm_amd_module``)."""
     import triton
     from triton.compiler import ASTSource
 
@@ -644,7 +614,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", default="nvidia", choices=("nvidia", *HIP_ARCHS),
                     help="nvidia: sm_90 and sm_100 (the default); or an AMD arch")
     ap.add_argument("--vllm-peer", action="store_true",
-                    help="with an AMD --target: also build vLLM's AMD K3 kernel (needs vLLM)")
+                    help="with an AMD --target: also build vLLM's AMD K3 kernel (needs vLLM "
+                         "or bash tools/gpu_prepare.sh's copy)")
     ap.add_argument("--ci", action="store_true", help="the CI subset of variants")
     ap.add_argument("--only", help="build only the variants whose name contains this "
                                    "(e.g. quant)")

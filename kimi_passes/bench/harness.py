@@ -1,5 +1,6 @@
-"""What every benchmark shares: the one timer, the statistics, the one error metric, the
-op's argument builder, and the run's records (targets, the machine, Dynamo's limits).
+"""What every benchmark shares: the one timer, the statistics, the one error metric and its
+tolerances, the verdict of a candidate, the op's argument builder, and the run's records
+(targets, the machine, Dynamo's limits).
 
 ``Timer`` interleaves its candidates round by round (their order rotated by one a round),
 with one of three clocks: ``wall`` / ``cpu`` (``torch.utils.benchmark`` samples of about
@@ -29,6 +30,15 @@ from kimi_passes.ops.attn_res_args import AttnResArgs
 #: The command line every benchmark runs under (``kimi_passes.bench.cli``).
 PROG = "python -m kimi_passes bench"
 EPS = 1e-6
+
+#: The op tolerance, per dtype: what one AttnRes mixture computed in fp32 and rounded once
+#: to the output dtype meets against the fp32 reference (the tests' atol = rtol; the
+#: benches' bound on ``rel_err``). docs/testing.md, "Tolerances".
+OP_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+#: A whole compiled model against plain Inductor's compile of it (``bench decode``): fp32
+#: drifts with depth (Inductor's own reassociation), the half types as the op's bf16.
+MODEL_TOL = {torch.float32: 1e-3, torch.bfloat16: OP_TOL[torch.bfloat16],
+             torch.float16: OP_TOL[torch.bfloat16]}
 
 # ----------------------------------------------------------------------------- statistics
 
@@ -81,6 +91,30 @@ def rel_err(got, want) -> float:
     got, want = got.detach().double(), want.detach().double()
     err, scale = float((got - want).abs().max()), float(want.abs().max())
     return err / scale if scale else err
+
+
+def verdict(candidate: str, T, time: float | None, ratio: float | None, err: float | None,
+            tol: float, reason: str | None = None) -> dict:
+    """A candidate's record in a bench's rows: MET when it ran and ``err`` is within ``tol``,
+    else MISS with the reason (``reason`` given: it raised or was not checked; else the
+    error against the tolerance). ``time``: seconds (median); ``ratio``: the bench's own."""
+    if reason is None and (err is None or not err <= tol):  # NaN is off too
+        reason = ("no error figure" if err is None
+                  else f"error {err:.3g} > tolerance {tol:.3g}")
+    return {"candidate": candidate, "T": T, "time": time, "ratio": ratio, "err": err,
+            "tol": tol, "verdict": "MET" if reason is None else "MISS", "reason": reason}
+
+
+def failure(e: BaseException) -> str:
+    """A MISS reason for a candidate that raised: the exception's type and first line."""
+    lines = str(e).strip().splitlines()
+    return f"raised {type(e).__name__}" + (f": {lines[0][:200]}" if lines else "")
+
+
+def misses(candidates: list[dict]) -> list[str]:
+    """``MISS name: reason`` for each candidate that missed, for a row's printed line."""
+    return [f"MISS {c['candidate']}: {c['reason']}" for c in candidates
+            if c["verdict"] != "MET"]
 
 
 # ----------------------------------------------------------------------------- timing

@@ -1,19 +1,19 @@
 """Section ``op``: the AttnRes op against plain torch and a same-bytes copy.
 
 ``torch.ops.kimi.attn_res`` against the plain-torch statement of docs/design.md section 3
-written in the input dtype and run eagerly (``eager``), the same statement compiled
-by Inductor (``compiled``: ``torch.compile(fn, dynamic=False)``, static shapes, one
-compile per cell) and a memory copy moving the same number of bytes (``copy``:
-``dst.copy_(src)`` with ``src`` and ``dst`` ``bytes/2`` each, so it reads ``bytes/2`` and
-writes ``bytes/2``). On CUDA also the Triton kernel called directly (``triton``: what
-the op dispatches to, without the dispatcher; ``triton-row``: forced to the row kernel,
-beside the decode path the op takes at small T), ``vllm-k3``: the Triton kernel vLLM 0.33.0
-serves K3's AttnRes with (vendored, from a checkout's ``tools/vllm_k3_attn_res.py``; every
-variant, the same arguments and in-place effects as the op), and, when importable, the
-PyPI peers ``flash-attn-res`` and ``fast-attnres`` on the shapes their kernels accept.
-Variants: ``read`` (no delta, no block write, no output norm: a pure read of the
-pre-norm mixture) and ``full`` (delta, a block write into slot ``nb``, output norm:
-the pre-attention call of a block-write layer).
+in the input dtype, run eagerly (``eager``) and compiled by Inductor (``compiled``: static
+shapes, one compile per cell), and a memory copy of the same bytes (``copy``: ``src`` and
+``dst`` ``bytes/2`` each). On CUDA also the Triton kernel called directly (``triton``: what
+the op dispatches to; ``triton-row``: forced to the row kernel, beside the decode path the
+op takes at small T), ``vllm-k3``: the Triton kernel vLLM 0.33.0 serves K3's AttnRes with
+(``vllm_peer.load_peer``: an installed vLLM or a prepared copy; every variant, the op's
+arguments and in-place effects), and, when importable, the PyPI peers ``flash-attn-res``
+and ``fast-attnres`` on the shapes their kernels accept. Every candidate is checked against
+the fp32 reference first: MET within ``OP_TOL``, else MISS with the reason (raised: not
+timed; off: timed), in its row's ``candidates`` (``ratio`` = t(candidate) / t(op)).
+Variants: ``read`` (no delta, block write or output norm: a pure read of the pre-norm
+mixture) and ``full`` (delta, a block write into slot ``nb``, output norm: the
+pre-attention call of a block-write layer).
 Bytes moved (the op's minimum traffic): every source read once (``nb`` blocks and
 the prefix), plus the delta read and the prefix write-back when there is a delta,
 plus the block write, plus the output write, plus the weight vectors.
@@ -24,22 +24,28 @@ faster). Ratios are medians of per-round ratios of interleaved samples.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from kimi_passes.bench.harness import EPS, fmt_ratio, op_args, ratio_summary, rel_err, summary
+from kimi_passes.bench.harness import (
+    EPS,
+    OP_TOL,
+    failure,
+    fmt_ratio,
+    misses,
+    op_args,
+    ratio_summary,
+    rel_err,
+    summary,
+    verdict,
+)
 from kimi_passes.ops.attn_res_args import AttnResArgs
 
 VARIANTS = ("read", "full")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PEERS = ("vllm-k3", "flash-attn-res", "fast-attnres")
-# vLLM's K3 kernel, vendored into the checkout's tools/ (a benchmark peer, not packaged).
-VLLM_PEER = Path(__file__).resolve().parents[2] / "tools" / "vllm_k3_attn_res.py"
 
 #: A peer kernel's zero-argument call, or why it is not timed.
 Peer = Callable[[], object] | str
@@ -88,27 +94,24 @@ def _clone_args(args: AttnResArgs) -> AttnResArgs:
     return AttnResArgs._make(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
 
 
-@functools.cache
-def _vllm_peer():
-    """The vendored module, loaded once: a fresh load per cell would be a fresh
-    ``triton.jit`` function, compiled again for every cell of the sweep."""
-    spec = importlib.util.spec_from_file_location("vllm_k3_attn_res", VLLM_PEER)
-    assert spec is not None and spec.loader is not None  # a .py file of this checkout
-    peer = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(peer)
-    return peer
-
-
-def _peer_fns(args: AttnResArgs, variant, dtype, device) -> dict[str, Peer]:
-    """``{peer: fn or reason}``: vLLM's K3 kernel (every variant) and the PyPI peers' kernels
-    (the ``read`` mixture)."""
+def _vllm_k3(args: AttnResArgs, device) -> tuple[Peer, str | None]:
+    """vLLM's K3 kernel on ``args`` (every variant) and where it came from; a reason starting
+    ``failed:`` where it cannot be loaded on CUDA (a MISS: the figure the check wants)."""
     if device.type != "cuda":
-        vllm: Peer = "unsupported: CUDA only"
-    elif not VLLM_PEER.exists():
-        vllm = f"not found: {VLLM_PEER} (run from a checkout of kimi_passes)"
-    else:
-        peer = _vllm_peer()
-        vllm = lambda: peer.attn_res(*args)  # noqa: E731  (the op's signature, all variants)
+        return "unsupported: CUDA only", None
+    from kimi_passes.bench.vllm_peer import PeerError, load_peer
+
+    try:
+        peer = load_peer("nvidia")
+    except PeerError as e:
+        return f"failed: {e}", None
+    return (lambda: peer.attn_res(*args)), peer.source
+
+
+def _peer_fns(args: AttnResArgs, variant, dtype, device) -> tuple[dict[str, Peer], dict]:
+    """``{peer: fn or reason}`` (vLLM's K3 kernel, every variant; the PyPI peers' kernels,
+    the ``read`` mixture) and ``{peer: where it came from}``."""
+    vllm, source = _vllm_k3(args, device)
     reasons = []
     if device.type != "cuda":
         reasons.append("CUDA only")
@@ -118,8 +121,9 @@ def _peer_fns(args: AttnResArgs, variant, dtype, device) -> dict[str, Peer]:
         reasons.append("bf16 only")
     # The RMSNorm weight folded into the query, in the peers' bf16.
     query = (args.norm_weight.float() * args.qk_weight.float()).to(torch.bfloat16)
-    return {"vllm-k3": vllm, "flash-attn-res": _flash_attn_res(args, query, list(reasons)),
-            "fast-attnres": _fast_attnres(args, query, list(reasons))}
+    fns = {"vllm-k3": vllm, "flash-attn-res": _flash_attn_res(args, query, list(reasons)),
+           "fast-attnres": _fast_attnres(args, query, list(reasons))}
+    return fns, ({"vllm-k3": source} if source else {})
 
 
 def _flash_attn_res(args: AttnResArgs, query, why: list[str]) -> Peer:
@@ -207,63 +211,98 @@ def _op_factories(cfg, variant, dtype) -> tuple[dict, dict]:
 
 
 def bench_op(cfg, log) -> dict:
-    device = cfg.device
-    rows = []
-    for dt_name, variant, T, H, nb in _sweep(cfg):
-        dtype = DTYPES[dt_name]
+    rows: list[dict] = []
+    sources: dict[str, str] = {}
+    for cell in _sweep(cfg):
         torch._dynamo.reset()
-        args = make_op_args(T, H, nb, dtype, variant, device)
-        nbytes = op_bytes(T, H, nb, dtype, variant)
-        makers, notes = _op_factories(cfg, variant, dtype)
-        peers: dict[str, Callable[[], object]] = {}
-        if cfg.peers and device.type == "cuda":
-            for name, fn in _peer_fns(args, variant, dtype, device).items():
-                if isinstance(fn, str):
-                    notes[name] = fn
-                else:
-                    peers[name] = fn
-        errors = {}
-        if cfg.check:
-            errors = _check_op(makers, peers, args, notes)  # a failing one is in notes
-            makers = {k: v for k, v in makers.items() if k not in notes}
-            peers = {k: v for k, v in peers.items() if k not in notes}
-        src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
-        dst = torch.empty_like(src)
-        # Every candidate shares ``args``: the in-place effects are idempotent enough
-        # (the block write copies the prefix; the delta is 1e-3 of it).
-        cands = {name: make(args) for name, make in makers.items()}
-        cands["copy"] = lambda s=src, d=dst: d.copy_(s)
-        cands.update(peers)
-        with torch.no_grad():
-            samples = cfg.timer.run(cands)
-            host = ({name: cfg.timer.host_time(cands[name]) for name in ("op", "triton")}
-                    if device.type == "cuda" else None)
-        t = {name: summary(s) for name, s in samples.items()}
-        row = {
-            "dtype": dt_name, "variant": variant, "T": T, "H": H, "nb": nb, "bytes": nbytes,
-            "time_s": t,
-            "host_time_s": host,
-            "gbps": {name: nbytes / s["median"] / 1e9 for name, s in t.items()},
-            "roofline": ratio_summary(samples["copy"], samples["op"]),
-            "op_vs_eager": ratio_summary(samples["eager"], samples["op"]),
-            "op_vs_compiled": (ratio_summary(samples["compiled"], samples["op"])
-                               if "compiled" in samples else None),
-            "vs_op": {name: ratio_summary(s, samples["op"]) for name, s in samples.items()
-                      if name not in ("op", "copy")},
-            "max_rel_err": errors,
-            "notes": notes,
-        }
+        row = _op_row(cfg, *cell)
+        for name, src in row["sources"].items():
+            if sources.get(name) != src:
+                log(f"   {name}: {src}")
+                sources[name] = src
         rows.append(row)
-        log(op_line(row, device))
-        del args, src, dst, cands, peers
-    return {"rows": rows}
+        log(op_line(row, cfg.device))
+    return {"rows": rows, "sources": sources}
 
 
-def _check_op(makers, peers, args, notes) -> dict:
-    """Each candidate's output (on fresh clones) against the fp32 reference, first rows.
+def _op_row(cfg, dt_name, variant, T, H, nb) -> dict:
+    """One cell: every candidate checked (``cfg.check``), the ones that ran timed."""
+    dtype, device = DTYPES[dt_name], cfg.device
+    args = make_op_args(T, H, nb, dtype, variant, device)
+    nbytes = op_bytes(T, H, nb, dtype, variant)
+    makers, notes = _op_factories(cfg, variant, dtype)
+    peers: dict[str, Callable[[], object]] = {}
+    failed: dict[str, str] = {}
+    sources: dict[str, str] = {}
+    if cfg.peers:  # each peer says why it does not run on CPU
+        fns, sources = _peer_fns(args, variant, dtype, device)
+        for name, fn in fns.items():
+            if not isinstance(fn, str):
+                peers[name] = fn
+            elif fn.startswith("failed:"):  # a peer that should run and cannot: a MISS
+                failed[name] = fn.removeprefix("failed: ")
+            else:
+                notes[name] = fn
+    errors = _check_op(makers, peers, args, failed) if cfg.check else {}
+    names = [*makers, *peers, *(k for k in failed if k not in makers and k not in peers)]
+    makers = {k: v for k, v in makers.items() if k not in failed}
+    peers = {k: v for k, v in peers.items() if k not in failed}
+    samples, host = _time_op(cfg, args, nbytes, makers, peers)
+    t = {name: summary(s) for name, s in samples.items()}
+    vs_op = {name: _ratio(samples, name, "op") for name in samples if name not in ("op", "copy")}
+    row = {
+        "dtype": dt_name, "variant": variant, "T": T, "H": H, "nb": nb, "bytes": nbytes,
+        "time_s": t,
+        "host_time_s": host,
+        "gbps": {name: nbytes / s["median"] / 1e9 for name, s in t.items()},
+        "roofline": _ratio(samples, "copy", "op"),
+        "op_vs_eager": _ratio(samples, "eager", "op"),
+        "op_vs_compiled": _ratio(samples, "compiled", "op"),
+        "vs_op": {k: v for k, v in vs_op.items() if v is not None},
+        "max_rel_err": errors,
+        "notes": notes,
+        "sources": sources,
+    }
+    # ratio: t(candidate) / t(op) (> 1: the op is faster); the op's own is 1.
+    ratio = {name: r["median"] for name, r in row["vs_op"].items()}
+    if "op" in t:
+        ratio["op"] = 1.0
+    row["candidates"] = [
+        verdict(name, T, t[name]["median"] if name in t else None, ratio.get(name),
+                errors.get(name), OP_TOL[dtype],
+                failed.get(name) or (None if cfg.check else "not checked (--no-check)"))
+        for name in names]
+    return row
 
-    A candidate that raises is reported in ``notes`` and dropped from the timing.
-    """
+
+def _ratio(samples: dict, num: str, den: str) -> dict | None:
+    """The summary of per-round ``t(num) / t(den)``; None where either was not timed."""
+    if num not in samples or den not in samples:
+        return None
+    return ratio_summary(samples[num], samples[den])
+
+
+def _time_op(cfg, args: AttnResArgs, nbytes: int, makers: dict, peers: dict):
+    """Interleaved samples of the candidates, a same-bytes copy and the peers; on CUDA also
+    the op's and the Triton kernel's back-to-back host time."""
+    device = cfg.device
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    # Every candidate shares ``args``: the in-place effects are idempotent enough
+    # (the block write copies the prefix; the delta is 1e-3 of it).
+    cands = {name: make(args) for name, make in makers.items()}
+    cands["copy"] = lambda s=src, d=dst: d.copy_(s)
+    cands.update(peers)
+    with torch.no_grad():
+        samples = cfg.timer.run(cands)
+        host = ({name: cfg.timer.host_time(cands[name]) for name in ("op", "triton")
+                 if name in cands} if device.type == "cuda" else None)
+    return samples, host
+
+
+def _check_op(makers, peers, args, failed) -> dict:
+    """Each candidate's output (on fresh clones) against the fp32 reference, first rows:
+    ``{name: rel_err}``. A candidate that raises goes into ``failed`` with the reason."""
     from kimi_passes.ops import attn_res_reference
 
     n = min(args.prefix.shape[0], 256)
@@ -281,7 +320,7 @@ def _check_op(makers, peers, args, notes) -> dict:
                 out = fn()
             errors[name] = rel_err(out[:n], ref)
         except Exception as e:  # noqa: BLE001 - a failing candidate is reported, not fatal
-            notes[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            failed[name] = failure(e)
     return errors
 
 
@@ -294,10 +333,11 @@ OP_HEADER = (f"{'dtype':>8} {'var':>4} {'T':>5} {'H':>5} {'nb':>2} {'MB':>8} "
 
 
 def op_line(row, device) -> str:
-    t = row["time_s"]
+    t, g = row["time_s"], row["gbps"]
+    op = (f"{t['op']['median'] * 1e3:9.4f} {g['op']:7.2f}" if "op" in t
+          else f"{'-':>9} {'-':>7}")
     s = (f"{row['dtype']:>8} {row['variant']:>4} {row['T']:>5} {row['H']:>5} {row['nb']:>2} "
-         f"{row['bytes'] / 1e6:8.2f} {t['op']['median'] * 1e3:9.4f} {row['gbps']['op']:7.2f} "
-         f"{row['gbps']['copy']:9.2f} {fmt_ratio(row['roofline']):>16} "
+         f"{row['bytes'] / 1e6:8.2f} {op} {g['copy']:9.2f} {fmt_ratio(row['roofline']):>16} "
          f"{fmt_ratio(row['op_vs_eager']):>16} {fmt_ratio(row['op_vs_compiled']):>16}")
     extra = [f"{n}={t[n]['median'] * 1e3:.4f}ms" for n in ("triton", "triton-row", *PEERS)
              if n in t]
@@ -305,8 +345,10 @@ def op_line(row, device) -> str:
         extra.append(f"op x row-route={fmt_ratio(row['vs_op']['triton-row'])}")  # is faster
     if "vllm-k3" in row["vs_op"]:  # the peer to beat: t(vLLM's kernel) / t(op), >= 1.0
         extra.append(f"op x vllm-k3={fmt_ratio(row['vs_op']['vllm-k3'])}")
-    if row.get("host_time_s"):
+    if "op" in (row.get("host_time_s") or {}):
         extra.append(f"op back-to-back={row['host_time_s']['op'] * 1e3:.4f}ms")
+    # Every candidate that raised or is off, peers included, on every row.
+    extra += misses(row.get("candidates", []))
     extra += [f"{n}: {why}" for n, why in row["notes"].items() if n in PEERS
               and device.type == "cuda" and row["variant"] == "read"
               and row["dtype"] == "bfloat16"]

@@ -31,7 +31,8 @@ def format_report(results: dict) -> str:
         w()
         w("== targets ==")
         for t in results["targets"]:
-            w(f"   {'MET ' if t['met'] else 'MISS'} {t['target']}: {t['value']:.4g}")
+            w(f"   {'MET ' if t['met'] else 'MISS'} {t['target']}: {t['value']:.4g}"
+              + (f" ({t['reason']})" if t.get("reason") else ""))
     if results.get("errors"):
         w()
         for sec, err in results["errors"].items():
@@ -44,10 +45,13 @@ def _op(w, results: dict) -> None:
       "copy ==")
     w("   times are medians; roof = t(copy)/t(op); x eager, x comp = t(baseline)/t(op); "
       "[IQR] of per-round ratios")
+    for name, src in results["op"].get("sources", {}).items():
+        w(f"   {name}: {src}")
     w(OP_HEADER)
     device = torch.device(results["machine"]["device"])
     for row in results["op"]["rows"]:
         w(op_line(row, device))
+    w(verdict_line(results["op"]["rows"]))
     errs = [r["max_rel_err"] for r in results["op"]["rows"] if r["max_rel_err"]]
     if errs:
         worst: dict[str, float] = {}
@@ -140,10 +144,19 @@ def _quant(w, results: dict) -> None:
       "t(a second unfused compile)")
     for r in results["quant"]["rows"]:
         w("   " + quant_line(r))
+    w(verdict_line(results["quant"]["rows"]))
 
 
 #: A section's lines of the report, in report order.
 SECTIONS = {"op": _op, "tap": _tap, "pass": _pass, "compile": _compile, "quant": _quant}
+
+
+def verdict_line(rows: list[dict]) -> str:
+    """How many candidates met their tolerance and how many missed, over a section's rows."""
+    cands = [c for r in rows for c in r.get("candidates", [])]
+    miss = sum(c["verdict"] != "MET" for c in cands)
+    return (f"   candidates held to their tolerance: {len(cands) - miss} MET, {miss} MISS"
+            + (" (each MISS is on its row, with the reason)" if miss else ""))
 
 
 def _load(x) -> str:
