@@ -182,10 +182,14 @@ def test_fill_benchmarks_prints_the_cuda_tables():
         {"step": "cuda_tests", "status": "passed", "test_counts": {"passed": 120}}]}
     text = gpu_check.fill_benchmarks(doc)
     assert "| read | 1.25 [1.20-1.30] | 4000.0 | 1.25 [1.20-1.30] | op 1.0e-03 |" in text
-    assert "| 1 | 0.0100 | 1.25 [1.20-1.30] |" in text
-    assert "| 8 | 0.010 | 0.020 | 1.25 [1.20-1.30] | True |" in text
+    assert "| decode sweep, H=7168 nb=8 bf16 full | T=1 |\n|---|---|\n" in text
+    assert "| t(vLLM)/t(op) [IQR] | 1.25 [1.20-1.30] |" in text
+    assert "| fused / unfused ms | 0.010 / 0.020 |" in text
+    assert "| bytes, scales equal | yes |" in text
     assert "| cuda_tests | passed | 120 | 0 | 0 | 0 |" in text
     assert "| cuda_graphs | not run |" in text and "NVIDIA H100" in text
+    assert all(line.count("|") == text.splitlines()[0].count("|")
+               for line in text.splitlines()[:3])  # a well-formed table
 
 
 # ------------------------------------------------------------------------- the dry run

@@ -557,46 +557,53 @@ def _what(r: dict) -> str:
 
 
 def fill_benchmarks(doc: dict) -> str:
-    """BENCHMARKS.md's CUDA tables, filled from a results.json (printed: paste them)."""
+    """BENCHMARKS.md's four CUDA tables, filled from a results.json (printed: paste them)."""
     by = {r["step"]: r for r in doc.get("steps", [])}
     dev = ((by.get("info", {}).get("data") or {}).get("facts") or {}).get("device", "?")
     head = f"{doc.get('started', '?')[:10]}, {doc.get('commit') or '?'}, {dev}"
-    out = [f"<!-- from results.json: {head} -->", "", "Op headline:", "",
-           "| variant | roof = t(copy)/t(op) [IQR] | op GB/s | t(vLLM)/t(op) [IQR] | errors "
-           "| date, commit, device |",
-           "|---|---|---|---|---|---|"]
+    out = ["| op, T=8192 H=7168 nb=8 bf16 | roof = t(copy)/t(op) [IQR] | op GB/s | "
+           "t(vLLM)/t(op) [IQR] | max rel. error | date, commit, device |", _rule(6)]
     for row in _op_rows(by.get("op_headline")):
         out.append(f"| {row['variant']} | {_ratio(row.get('roofline'))} | "
                    f"{_num(row.get('gbps', {}).get('op'))} | "
-                   f"{_ratio(row.get('vs_op', {}).get('vllm-k3'))} | "
-                   f"{_errs(row)} | {head} |")
-    out += ["", "Decode sweep (H=7168, nb=8, bf16, full):", "",
-            "| T | op ms | t(vLLM)/t(op) [IQR] | t(compiled)/t(op) [IQR] | roof [IQR] "
-            "| t(row)/t(op) |",
-            "|---|---|---|---|---|---|"]
-    for row in _op_rows(by.get("decode_sweep")):
-        t = row.get("time_s", {}).get("op", {}).get("median")
-        out.append(f"| {row['T']} | {_num(None if t is None else t * 1e3, '.4f')} | "
-                   f"{_ratio(row.get('vs_op', {}).get('vllm-k3'))} | "
-                   f"{_ratio(row.get('op_vs_compiled'))} | {_ratio(row.get('roofline'))} | "
-                   f"{_ratio(row.get('vs_op', {}).get('triton-row'))} |")
-    out += ["", "AttnRes + FP8 quant (H=7168, nb=8, bf16):", "",
-            "| T | fused ms | unfused ms | speedup [IQR] | bytes and scales equal |",
-            "|---|---|---|---|---|"]
+                   f"{_ratio(row.get('vs_op', {}).get('vllm-k3'))} | {_errs(row)} | {head} |")
+    sweep = _op_rows(by.get("decode_sweep"))
+    out += ["", "| decode sweep, H=7168 nb=8 bf16 full | "
+            + " | ".join(f"T={r['T']}" for r in sweep) + " |", _rule(len(sweep) + 1)]
+    for label, get in (("t(vLLM)/t(op) [IQR]", lambda r: r.get("vs_op", {}).get("vllm-k3")),
+                       ("t(compiled)/t(op) [IQR]", lambda r: r.get("op_vs_compiled")),
+                       ("roof [IQR]", lambda r: r.get("roofline")),
+                       ("t(row route)/t(op) [IQR]",
+                        lambda r: r.get("vs_op", {}).get("triton-row"))):
+        out.append(f"| {label} | " + " | ".join(_ratio(get(r)) for r in sweep) + " |")
     quant = ((by.get("quant") or {}).get("data") or {}).get("quant", {}).get("rows", [])
-    for r in quant:
-        t = r.get("time_s", {})
-        out.append(f"| {r['T']} | {_num(t.get('fused', {}).get('median', 0) * 1e3, '.3f')} | "
-                   f"{_num(t.get('unfused', {}).get('median', 0) * 1e3, '.3f')} | "
-                   f"{_ratio(r.get('speedup'))} | {r.get('bytes_and_scales_equal')} |")
-    out += ["", "CUDA tests:", "", "| step | status | passed | failed | skipped | errors |",
-            "|---|---|---|---|---|---|"]
+    out += ["", "| FP8 quant, H=7168 nb=8 bf16 | "
+            + " | ".join(f"T={r['T']}" for r in quant) + " |", _rule(len(quant) + 1),
+            "| fused / unfused ms | " + " | ".join(
+                f"{_ms(r, 'fused')} / {_ms(r, 'unfused')}" for r in quant) + " |",
+            "| unfused / fused [IQR] | " + " | ".join(_ratio(r.get("speedup")) for r in quant)
+            + " |",
+            "| bytes, scales equal | " + " | ".join(
+                {True: "yes", False: "NO"}.get(r.get("bytes_and_scales_equal"), "-")
+                for r in quant) + " |"]
+    out += ["", "| CUDA tests (-v, by node id) | status | passed | failed | skipped | "
+            "errors, timeouts |", _rule(6)]
     for name in ("cuda_tests", "cuda_graphs"):
         r = by.get(name) or {"status": "not run"}
         c = r.get("test_counts", {})
-        out.append(f"| {name} | {r['status']} | {c.get('passed', 0)} | {c.get('failed', 0)} | "
-                   f"{c.get('skipped', 0)} | {c.get('error', 0)} |")
+        worse = c.get("error", 0) + c.get("timeout", 0) + c.get("unfinished", 0)
+        out.append(f"| {name} | {r['status']} | {c.get('passed', 0)} | {c.get('failed', 0)} "
+                   f"| {c.get('skipped', 0)} | {worse} |")
     return "\n".join(out) + "\n"
+
+
+def _rule(n: int) -> str:
+    return "|" + "---|" * n
+
+
+def _ms(row: dict, name: str) -> str:
+    t = row.get("time_s", {}).get(name, {}).get("median")
+    return "-" if t is None else f"{t * 1e3:.3f}"
 
 
 def _op_rows(step: dict | None) -> list[dict]:
