@@ -180,14 +180,14 @@ def _reader(i: int, pipe, q: Queue) -> None:
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM to each command's process group, SIGKILL 5 s later to what is left."""
+    """SIGTERM to each command's process group, SIGKILL 5 s later to what is left (a
+    command that has exited may leave children in its group)."""
     for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
         for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, sig)
-                except ProcessLookupError:
-                    pass
+            try:
+                os.killpg(p.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
         end = time.monotonic() + wait
         while time.monotonic() < end and any(p.poll() is None for p in procs):
             time.sleep(0.1)
@@ -205,10 +205,16 @@ def run_cmds(cmds: list[list[str]], timeout: float, env: dict, on_line) -> tuple
         threading.Thread(target=_reader, args=(i, p.stdout, q), daemon=True).start()
         procs.append(p)
     end, open_pipes, timed_out = time.monotonic() + timeout, len(cmds), False
+    orphans_until = None  # every command exited, yet a child of one holds its pipe
     while open_pipes:
         try:
             i, line = q.get(timeout=max(0.0, min(1.0, end - time.monotonic())))
         except Empty:
+            if all(p.poll() is not None for p in procs):
+                orphans_until = orphans_until or time.monotonic() + 5.0
+                if time.monotonic() >= orphans_until:
+                    _stop(procs)
+                    break
             if time.monotonic() >= end:
                 timed_out = True
                 _stop(procs)
