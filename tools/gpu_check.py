@@ -104,28 +104,30 @@ CUDA_SHARDS = (  # side by side: each shard a process of its own, its Triton bui
     pytest(CUDA + "test_k3_tiny_compiled_on_cuda",
            "tests/test_quant_fusion.py::test_cuda_fused_quant_gives_the_unfused_bytes"),
 )
+OP_ROW = r"^(bfloat16|float16|float32)\s+(read|full)\s+\d+"  # a cell of the op bench, as it ends
 ON_CPU_THEY_SKIP = "the same node ids, collected; without CUDA each test skips"
 
 STEPS: tuple[Step, ...] = (
-    Step("info", 15, (("{py}", "tools/gpu_info.py", "--json", "{json}"),),
+    Step("info", 20, (("{py}", "tools/gpu_info.py", "--json", "{json}"),),
          dry=(("{py}", "tools/gpu_info.py", "--dry-run", "--json", "{json}"),),
          dry_note="CUDA not required; versions, the C compiler and imports checked",
          stop_on_failure=True),
     Step("op_headline", 40, (bench("--device", "cuda", "--only", "op", "--T", "8192",
                                    "--variants", "read", "full", *K3_OP),),
          dry=(bench("--only", "op", "--T", "64", "--variants", "read", "full", *TINY_OP),),
-         dry_note="the op's CPU kernels at T=64 H=256 nb=2, one round"),
-    Step("decode_sweep", 55, (bench("--device", "cuda", "--only", "op", "--T", *SWEEP_T,
+         dry_note="the op's CPU kernels at T=64 H=256 nb=2, one round", rows_re=OP_ROW),
+    Step("decode_sweep", 60, (bench("--device", "cuda", "--only", "op", "--T", *SWEEP_T,
                                     "--variants", "full", "--rounds", "5", *K3_OP),),
          dry=(bench("--only", "op", "--T", *SWEEP_T, "--variants", "full", *TINY_OP),),
-         dry_note="every T at H=256 nb=2 on CPU, one round"),
+         dry_note="every T at H=256 nb=2 on CPU, one round", rows_re=OP_ROW),
     Step("quant", 40, (bench("--device", "cuda", "--only", "quant", "--quant-T", "1", "8",
                              "64", "1024", "--quant-H", "7168", "--quant-blocks", "8",
                              "--no-plot", "--out", "{json}"),),
          dry=(bench("--device", "cpu", "--only", "quant", "--quant-T", "1", "64", "--quant-H",
                     "256", "--quant-blocks", "2", "--rounds", "1", "--block-ms", "1",
                     "--no-plot", "--out", "{json}"),),
-         dry_note="T=1, 64 at H=256 nb=2 on CPU (generated C++), one round"),
+         dry_note="T=1, 64 at H=256 nb=2 on CPU (generated C++), one round",
+         rows_re=r"^T=\s*\d+ H=\d+ nb=\d+"),
     Step("cuda_tests", 70, CUDA_SHARDS, needs=("pytest",), dry_note=ON_CPU_THEY_SKIP),
     Step("cuda_graphs", 20, (pytest(CUDA + "test_k3_tiny_cuda_graphs_replay_with_new_inputs"),),
          needs=("pytest",), dry_note=ON_CPU_THEY_SKIP),
@@ -137,14 +139,14 @@ STEPS: tuple[Step, ...] = (
                     "--rounds", "1", "--block-ms", "1"),),
          dry_note="the one-site model, not K3 (two compiles of a tiny graph)",
          rows_re=r"^(k3|site)\s+T="),
-    Step("vllm_k3", 15, (("{py}", "tools/vllm_k3_gpu.py", "--T", "1", "8", "256", "--json",
+    Step("vllm_k3", 10, (("{py}", "tools/vllm_k3_gpu.py", "--T", "1", "8", "256", "--json",
                           "{json}"),),
          dry=(("{py}", "tools/vllm_k3_gpu.py", "--device", "cpu", "--hidden", "64", "--layers",
                "3", "--T", "4", "--rounds", "1", "--reps", "1", "--json", "{json}"),),
          dry_note="CPU, H=64, 3 layers, vLLM's kernel interpreted; a skip without vLLM",
          rows_re=r"^T=\s*\d+\s+\S", min_s=5, dry_cap_s=60),
-    Step("kernel_build", 30, (("{py}", "tools/kernel_build.py", "--ci", "--jobs", "{jobs}",
-                               "--json", "{json}"),),
+    Step("kernel_build", 25, (("{py}", "tools/kernel_build.py", "--ci", "--only", "bwd",
+                               "--jobs", "{jobs}", "--json", "{json}"),),
          dry=(("{py}", "tools/kernel_build.py", "--ci", "--only", "bwd:dw", "--jobs", "1",
                "--json", "{json}"),),
          dry_note="real offline builds, the 36 of bwd:dw", dry_env={"TRITON_INTERPRET": "0"}),
@@ -266,12 +268,11 @@ class StepRecord:
             except (ValueError, KeyError, TypeError):
                 pass
         m = MET_RE.search(text)
-        if m:
-            row = {"status": m.group(1), "text": text}
-            if row not in self.rows:  # the report repeats the run's lines
-                self.rows.append(row)
-        elif self._row_re is not None and self._row_re.search(text):
-            self.rows.append({"status": None, "text": text})
+        row = ({"status": m.group(1), "text": text} if m else
+               {"status": None, "text": text}
+               if self._row_re is not None and self._row_re.search(text) else None)
+        if row is not None and row not in self.rows:  # the report repeats the run's lines
+            self.rows.append(row)
 
 
 def run_step(step: Step, dry: bool, timeout: float, work: Path, env: dict, out) -> dict:
