@@ -267,3 +267,80 @@ def test_quant_is_the_quant_of_the_routes_output_cuda(case, dtype, route):
             assert torch.equal(got[0], plain[0]) and torch.equal(got[2], plain[2])
             d2, s2 = OPS.attn_res_quant(*clone_args(args), qd, **extra)  # CUDA dispatch
             assert d2.device.type == "cuda" and d2.dtype == qd and s2.shape == (T, 1)
+
+
+# ------------------------------------------ the backward and the chunked kernels on the GPU
+# ops/triton_backward.py (attn_res_mix's gradient on CUDA) and ops/triton_chunked.py (rows
+# wider than the row kernel holds: next_power_of_2(H) > 8192) run nowhere else compiled.
+
+#: Max |grad - fp64 truth| / max |fp64 truth|: the CPU tests' (test_ops_autograd.GRAD_TOL),
+#: fp32 at the compiled kernel's 1e-4 (TOL above: approximate exp and rsqrt).
+GRAD_TOL = {torch.float32: 1e-4, torch.bfloat16: 8e-3}
+
+
+def _mix64(prefix, blocks, nw, qk, nb, eps):
+    """The mixture (docs/design.md section 3) in fp64 plain torch: autograd's truth."""
+    v = torch.cat([blocks[:, :nb], prefix[:, None]], 1)
+    logits = (v @ (nw * qk)) * torch.rsqrt(v.square().mean(-1) + eps)
+    return (logits.softmax(-1)[..., None] * v).sum(1)
+
+
+def _rel_err(got, want):
+    scale = want.abs().max().item()
+    err = (got.double().cpu() - want.double().cpu()).abs().max().item()
+    return err / scale if scale else err
+
+
+def _check_mix_forward_backward(T, H, NB, nb, dtype, seed):
+    """attn_res_mix on DEV (forward and autograd's backward: the kimi kernels) against the
+    fp32 reference forward and autograd through the fp64 mixture on the CPU."""
+    g = torch.Generator().manual_seed(seed)
+    host = [torch.randn(T, H, generator=g), torch.randn(T, NB, H, generator=g),
+            1 + 0.1 * torch.randn(H, generator=g), torch.randn(H, generator=g) * 2 / H**0.5]
+    host = [t.to(dtype) for t in host]
+    grad = torch.randn(T, H, generator=g).to(dtype)
+    ins = [t.to(DEV).requires_grad_() for t in host]
+    out = OPS.attn_res_mix(*ins, nb, EPS)
+    with torch.no_grad():
+        expected = attn_res_mix_reference(*ins, nb, EPS).to(dtype)
+    close(out.detach(), expected, dtype)
+    got = torch.autograd.grad(out, ins, grad.to(DEV))
+    ins64 = [t.double().requires_grad_() for t in host]
+    want = torch.autograd.grad(_mix64(*ins64, nb, EPS), ins64, grad.double())
+    for name, g_, w_ in zip(("prefix", "blocks", "norm_weight", "qk_weight"), got, want,
+                            strict=True):
+        assert g_.device.type == DEV and g_.dtype == dtype, name
+        assert _rel_err(g_, w_) < GRAD_TOL[dtype], (name, _rel_err(g_, w_))
+    assert not got[1][:, nb:].any()  # slots the mixture does not read get zero
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("T", [8, 96])
+def test_mix_forward_and_backward_at_k3_width_cuda(T, dtype):
+    """K3's width (H=7168, 8 of 9 slots): the forward's decode path (T=8) and row kernel
+    (T=96), the backward's row kernel."""
+    from kimi_passes.ops import triton_backward, triton_decode
+
+    assert triton_decode.takes_decode(T, 7168) == (T <= 64)
+    assert triton_backward.launch_config(7168, dtype)[0] is triton_backward._KERNEL
+    _check_mix_forward_backward(T, 7168, 9, 8, dtype, seed=T)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_chunked_kernels_above_8192_cuda(dtype):
+    """H=10240 (aligned; next_power_of_2 = 16384 > 8192): the chunked forward (attn_res with
+    delta, a block write and the output norm; the capture's mixture) and the chunked
+    backward against the reference, with the reference's in-place effects."""
+    from kimi_passes.ops import triton_backward, triton_kernels
+
+    T, H, NB, nb = 80, 10240, 5, 4  # T > 64: not the decode path
+    assert triton_kernels.launch_config(H, dtype)[0] is triton_kernels.CHUNKED_KERNEL
+    assert triton_backward.launch_config(H, dtype)[0] is triton_backward.CHUNKED_KERNEL
+    args = make_args(T, H, NB, nb, 2, dtype, delta=True, onorm=True, seed=H)
+    mine, ref = clone_args(args), clone_args(args)
+    out, mixed = OPS.attn_res_capture(*mine)
+    exp_out, exp_mixed = attn_res_reference(*ref, return_mix=True)
+    close(out, exp_out, dtype)
+    close(mixed, exp_mixed, dtype)
+    assert torch.equal(mine[0], ref[0]) and torch.equal(mine[2], ref[2])
+    _check_mix_forward_backward(T, H, NB, nb, dtype, seed=H + 1)

@@ -16,8 +16,10 @@ time per forward (CUDA events, the rows interleaved round by round, median of ro
 First, on CUDA: vLLM's own ``attn_res`` left unrouted and compiled with ``kimi_backend``
 is refused under the attn_res stream and runs under the prefix stream.
 
-Without vLLM it prints why and exits 0. ``python tools/vllm_k3_gpu.py --device cpu
---hidden 64 --T 4 --rounds 1`` runs it here (vLLM's kernel interpreted: slow).
+Without vLLM it is a skip: it prints why as ``{"skip": ...}`` (also into ``--json``) and exits
+3 (tools/gpu_check.py's convention); a row that fails exits 1. ``python tools/vllm_k3_gpu.py
+--device cpu --hidden 64 --T 4 --rounds 1`` runs it here (vLLM's kernel interpreted: slow;
+no ``vllm on, compiled`` row: Dynamo traces vLLM's launch only where Triton compiles it).
 """
 
 from __future__ import annotations
@@ -47,9 +49,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
     if importlib.util.find_spec("vllm") is None:
-        print("vLLM K3 check SKIPPED: vLLM is not installed here (the rows run vLLM's "
-              "installed K3 code; `pip install vllm==0.33.0` where a registry is reachable)")
-        return 0
+        return skip("vLLM is not installed here (the rows run vLLM's installed K3 code: "
+                    "bash tools/install_vllm.sh where a registry is reachable)", args.json)
     if args.device == "cpu":
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -94,13 +95,14 @@ def main(argv=None) -> int:
     if args.device == "cuda":  # Dynamo traces vLLM's Triton launch only where it is compiled
         failed += unrouted_check(model, forward, args.T[0])
     torch._dynamo.reset()
-    compiled_on = torch.compile(model(True), backend="inductor", fullgraph=True)
     os.environ[route.ENV_VAR] = "attn_res"
     ours = torch.compile(model(False), backend=kimi_passes.make_kimi_backend("attn_res"),
                          fullgraph=True)
-    rows = {"vllm off": (model(False), False, "vllm"), "vllm on": (model(True), True, "vllm"),
-            "vllm on, compiled": (compiled_on, True, "vllm"),
-            "kimi pass": (ours, False, "kimi")}
+    rows = {"vllm off": (model(False), False, "vllm"), "vllm on": (model(True), True, "vllm")}
+    if args.device == "cuda":  # on CPU Dynamo cannot trace the interpreted launch
+        rows["vllm on, compiled"] = (
+            torch.compile(model(True), backend="inductor", fullgraph=True), True, "vllm")
+    rows["kimi pass"] = (ours, False, "kimi")
     results: list[dict] = []
     for T in args.T:
         times: dict[str, list[float]] = {name: [] for name in rows}
@@ -138,6 +140,16 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": results, "failed": failed}, indent=1))
     return 1 if failed else 0
+
+
+def skip(why: str, json_path: str | None) -> int:
+    """A skip as tools/gpu_check.py reads one: ``{"skip": why}`` printed (and in the JSON
+    file), exit 3."""
+    line = json.dumps({"skip": f"vllm_k3_gpu: {why}"})
+    print(line)
+    if json_path:
+        Path(json_path).write_text(line)
+    return 3
 
 
 def unrouted_check(model, forward, T) -> list[dict]:
