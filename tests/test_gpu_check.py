@@ -159,7 +159,7 @@ def test_only_and_cap_select_steps(tmp_path):
 def test_the_steps_are_in_the_issues_order_within_the_budget():
     names = [s.name for s in gpu_check.STEPS]
     assert names == ["info", "op_headline", "decode_sweep", "quant", "cuda_tests",
-                     "cuda_graphs", "whole_k3", "vllm_k3", "kernel_build"]
+                     "cuda_graphs", "eager_route", "whole_k3", "vllm_k3", "kernel_build"]
     assert sum(s.cap_s for s in gpu_check.STEPS) <= gpu_check.BUDGET_S
     assert gpu_check.STEPS[0].stop_on_failure
     sweep = gpu_check.STEPS[2].cmds[0]
