@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check (issue 49): every CUDA figure of kimi_passes from one device call of under
+# The GPU check: every CUDA figure of kimi_passes from one device call of under
 # ~330 s. Prepare here, then check there, from the repository root:
 #
 #     bash tools/gpu_prepare.sh      # on the CPU machine: writes .gpu_carry/ (git-ignored)
@@ -24,4 +24,7 @@ if [[ -d "$CARRY/vllm_k3" && -z "${KIMI_PASSES_VLLM_PEER:-}" ]]; then
     export KIMI_PASSES_VLLM_PEER="$CARRY/vllm_k3"
 fi
 PY="${PYTHON:-$(command -v python || command -v python3)}"  # the image's, with torch
+if [[ -z "${PYTHON:-}" && " $* " == *" --dry-run "* && -x "$REPO/.venv/bin/python" ]]; then
+    PY="$REPO/.venv/bin/python"  # here: the venv .ci/run and the README's set-up make
+fi
 exec "$PY" "$REPO/tools/gpu_check.py" "$@"
