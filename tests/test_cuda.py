@@ -66,17 +66,23 @@ def test_attn_res_matches_reference(case, dtype):
     assert torch.equal(mine[2], ref[2])
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", CASES, ids=str)
-def test_capture_and_mix_match_reference(case, dtype):
-    T, H, NB, nb, write, delta, onorm = case
-    args = make_args(T, H, NB, nb, write, dtype, delta=delta, onorm=onorm)
+def _check_capture(args, dtype):
+    """``attn_res_capture`` on ``args`` against the reference: both outputs, both effects."""
     mine, ref = clone_args(args), clone_args(args)
     out, mixed = OPS.attn_res_capture(*mine)
     exp_out, exp_mixed = attn_res_reference(*ref, return_mix=True)
     close(out, exp_out, dtype)
     close(mixed, exp_mixed, dtype)
     assert torch.equal(mine[0], ref[0]) and torch.equal(mine[2], ref[2])
+    return out, mixed
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_capture_and_mix_match_reference(case, dtype):
+    T, H, NB, nb, write, delta, onorm = case
+    args = make_args(T, H, NB, nb, write, dtype, delta=delta, onorm=onorm)
+    out, mixed = _check_capture(args, dtype)
     assert out.data_ptr() != mixed.data_ptr()
     prefix, _, blocks, nw, qk, *_ = clone_args(args)
     pure = OPS.attn_res_mix(prefix, blocks, nw, qk, nb, EPS)
@@ -336,11 +342,5 @@ def test_chunked_kernels_above_8192_cuda(dtype):
     T, H, NB, nb = 80, 10240, 5, 4  # T > 64: not the decode path
     assert triton_kernels.launch_config(H, dtype)[0] is triton_kernels.CHUNKED_KERNEL
     assert triton_backward.launch_config(H, dtype)[0] is triton_backward.CHUNKED_KERNEL
-    args = make_args(T, H, NB, nb, 2, dtype, delta=True, onorm=True, seed=H)
-    mine, ref = clone_args(args), clone_args(args)
-    out, mixed = OPS.attn_res_capture(*mine)
-    exp_out, exp_mixed = attn_res_reference(*ref, return_mix=True)
-    close(out, exp_out, dtype)
-    close(mixed, exp_mixed, dtype)
-    assert torch.equal(mine[0], ref[0]) and torch.equal(mine[2], ref[2])
+    _check_capture(make_args(T, H, NB, nb, 2, dtype, delta=True, onorm=True, seed=H), dtype)
     _check_mix_forward_backward(T, H, NB, nb, dtype, seed=H + 1)
