@@ -3,9 +3,10 @@
 - ``compile_pass``: ``KimiVllmPass``, the kimi pass manager as vLLM's post-grad
   ``InductorPass`` (``compile_config_entries``, ``make_vllm_pass``, the two named
   ``<stream>_stream_pass`` objects for ``inductor_passes``). Imports vLLM.
-- ``k3_route``: the ``vllm.general_plugins`` entry point that routes vLLM's own K3
-  ``attn_res`` calls to ``kimi::attn_res`` when ``$KIMI_PASSES_AUX_STREAM`` is set.
-  Imports vLLM only when it routes.
+- ``k3_route``: the ``vllm.general_plugins`` entry point; when ``$KIMI_PASSES_AUX_STREAM``
+  is set it routes vLLM's own K3 ``attn_res`` and wraps its model's methods: ``k3_eager``
+  (the stream in eager K3, vLLM's default) and ``k3_plan`` (served or refused at the
+  model's init). Imports vLLM only when it routes.
 
 Importing this package imports neither: the names of ``compile_pass`` load on first use,
 so vLLM's plugin loader reaches ``k3_route`` without importing vLLM's compile pipeline.
