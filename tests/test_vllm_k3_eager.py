@@ -39,7 +39,6 @@ from test_vllm_k3 import load_vllm_plugins  # noqa: E402
 
 import kimi_passes.vllm.k3_route as route  # noqa: E402
 from kimi_passes.config.stream import ENV_VAR  # noqa: E402
-from kimi_passes.ops.attn_res_args import AttnResArgs  # noqa: E402
 from kimi_passes.vllm import k3_eager, k3_plan  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("aten_fallback", "caches_off")]
@@ -201,11 +200,8 @@ def run_eager(vendor, dtype, T, on, *, ids=CAPTURE, at_capture=None, **build):
     def claim_and_record(args, kwargs):
         buffer = claim(args, kwargs)
         if buffer is not None and at_capture is not None:
-            a = AttnResArgs(*args, **kwargs)
-            prefix = a.prefix if a.delta is None else a.prefix + a.delta
             with torch.utils._python_dispatch._disable_current_modes():  # not the forward's
-                at_capture.append(own(prefix, None, a.blocks.clone(), a.norm_weight, a.qk_weight,
-                                      None, a.num_blocks, -1, a.eps, 0.0))
+                at_capture.append(own(*k3_eager.capture_call(args, kwargs)))
         return buffer
 
     with served(T, calls=calls), h.flag(on), \

@@ -28,9 +28,8 @@ import sys
 
 import torch
 
+from kimi_passes.bench.harness import OP_TOL, rel_err, summary, verdict
 from kimi_passes.vllm import k3_eager, k3_route
-
-TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-5}
 
 
 def weights(L, H, dtype, device, seed=0):
@@ -82,11 +81,10 @@ def forward(x, layers, out, S, ids, mode, fn, eps=1e-6):
 def rows_for(args, own, source) -> list[dict]:
     dev, dtype = args.device, getattr(torch, args.dtype)
     layers, out = weights(args.layers, args.hidden, dtype, dev)
-    ids = tuple(range(0, args.layers + 1, 2)) + (3,)
-    ids = tuple(sorted(set(ids)))
+    ids = tuple(sorted({*range(0, args.layers + 1, 2), 3}))  # 0, boundaries, mid-block, L
     k3_route._own["nvidia"], k3_eager._stream[0] = own, "attn_res"
     fns = {"off": own, "on": own, "route": k3_route.vllm_attn_res}
-    rows, tol = [], TOL[dtype]
+    rows, tol = [], OP_TOL[dtype]
     for T in args.T:
         x = torch.randn(T, args.hidden, device=dev, dtype=dtype)
         refs: list[torch.Tensor] = []
@@ -95,8 +93,7 @@ def rows_for(args, own, source) -> list[dict]:
         def spy(a, kw, claim=claim, refs=refs):  # vLLM's flag-on capture, here
             buf = claim(a, kw)
             if buf is not None:
-                p = a[0] if a[1] is None else a[0] + a[1]
-                refs.append(own(p, None, a[2].clone(), a[3], a[4], None, a[6], -1, a[8], 0.0))
+                refs.append(own(*k3_eager.capture_call(a, kw)))
             return buf
 
         k3_eager.claim = spy
@@ -104,20 +101,16 @@ def rows_for(args, own, source) -> list[dict]:
             _, aux = forward(x.clone(), layers, out, args.block, ids, "route", fns["route"])
         finally:
             k3_eager.claim = claim
-        err = max(float((a.float() - r.float()).abs().max() / r.float().abs().max().clamp_min(1))
-                  for a, r in zip(aux[1:], refs, strict=True))
-        rows.append(verdict({"check": "route capture vs vLLM flag-on capture", "T": T,
-                             "err": err, "tol": tol, "peer": source}))
+        err = max(rel_err(a, r) for a, r in zip(aux[1:], refs, strict=True))
+        rows.append(report({**verdict("route capture vs vLLM flag-on capture", T, None, None,
+                                      err, tol), "peer": source}))
         if dev == "cuda" and not args.dry_run:
             rows += graphs_and_time(x, layers, out, args, ids, fns, tol)
     return rows
 
 
-def verdict(row: dict) -> dict:
-    ok = row["err"] <= row["tol"]
-    row["verdict"] = "MET" if ok else "MISS"
-    if not ok:
-        row["reason"] = f"error {row['err']:.3g} > tolerance {row['tol']:.3g}"
+def report(row: dict) -> dict:
+    """``row`` printed as one JSON line (gpu_check reads MET / MISS off it)."""
     print(json.dumps(row), flush=True)
     return row
 
@@ -147,19 +140,16 @@ def graphs_and_time(x, layers, out, args, ids, fns, tol) -> list[dict]:
         g.replay()
         _, want = forward(new.clone(), layers, out, args.block, ids, "route", fns["route"])
         torch.cuda.synchronize()
-        err = max(err, *(float((a.float() - w.float()).abs().max()
-                               / w.float().abs().max().clamp_min(1))
-                         for a, w in zip(aux, want, strict=True)))
-    rows.append(verdict({"check": "route under CUDA graph, 5 replays vs eager", "T": T,
-                         "err": err, "tol": tol}))
+        err = max(err, *(rel_err(a, w) for a, w in zip(aux, want, strict=True)))
+    rows.append(report(verdict("route under CUDA graph, 5 replays vs eager", T, None, None,
+                               err, tol)))
     times = Timer(rounds=5, clock="cuda", device="cuda").run(
         {m: graphs[m][0].replay for m in graphs})
-    med = {m: sorted(v)[len(v) // 2] for m, v in times.items()}
-    row = {"check": "step time, CUDA graph replay", "T": T,
-           **{f"{m}_us": med[m] * 1e6 for m in med},
-           "route_vs_off": med["route"] / med["off"], "route_vs_on": med["route"] / med["on"]}
-    print(json.dumps(row), flush=True)
-    rows.append(row)
+    med = {m: summary(v)["median"] for m, v in times.items()}
+    rows.append(report({"candidate": "step time, CUDA graph replay", "T": T,
+                        **{f"{m}_us": med[m] * 1e6 for m in med},
+                        "route_vs_off": med["route"] / med["off"],
+                        "route_vs_on": med["route"] / med["on"]}))
     return rows
 
 

@@ -31,6 +31,7 @@ import sys
 import torch
 
 from kimi_passes.config.stream import ENV_VAR
+from kimi_passes.ops.attn_res_args import AttnResArgs
 
 #: Captures waiting for their consumer: ``id(norm weight) -> (weight, buffer)``.
 _expected: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -50,6 +51,16 @@ def claim(args: tuple, kwargs: dict) -> torch.Tensor | None:
     weight = args[3] if len(args) > 3 else kwargs["norm_weight"]
     entry = _expected.pop(id(weight), None)
     return None if entry is None else entry[1]
+
+
+def capture_call(args: tuple, kwargs: dict) -> AttnResArgs:
+    """The call vLLM's flag-on capture makes for this consumer call (its pure mixing of
+    ``prefix + delta`` over the same bank, weights and ``num_blocks``): the reference the
+    fused capture is checked against (tests, tools/k3_eager_gpu.py)."""
+    a = AttnResArgs(*args, **kwargs)
+    prefix = a.prefix if a.delta is None else a.prefix + a.delta
+    return a._replace(prefix=prefix, delta=None, output_norm_weight=None, block_write_idx=-1,
+                      output_norm_eps=0.0)
 
 
 def expect(weight: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 
 from kimi_passes.config.stream import ENV_VAR
 
@@ -64,8 +63,10 @@ def serving_plan(vllm_config, *, stream: str, sequence_parallel: bool) -> Servin
     mode = _mode_name(cc.mode) if cc.mode is not None else "NONE"
     extra = vllm_config.additional_config
     decode = extra.get("decode_backend", "auto") if isinstance(extra, dict) else "auto"
-    breakable = os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH", "0") not in ("", "0")
-    graphs = "breakable CUDA graphs" if breakable else "no breakable CUDA graphs"
+    from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
+
+    graphs = ("breakable CUDA graphs" if is_breakable_cudagraph_enabled()
+              else "no breakable CUDA graphs")
     route = COMPILED if mode == "STOCK_TORCH_COMPILE" else EAGER
     if stream != "attn_res":
         return ServingPlan(stream, route, f"stream {stream!r}: vLLM's own aux states")
