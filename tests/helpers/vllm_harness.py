@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import os
 
+# vLLM picks its platform once, when first imported: the CPU one, also in a serving process
+# (``main``) whose environment does not say (tests/conftest.py sets it under pytest).
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import json  # noqa: E402
