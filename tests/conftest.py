@@ -19,7 +19,7 @@ def pytest_configure(config):
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
     # vLLM picks its platform once, on first use, in whichever test imports it first: the
-    # harness's CPU platform (tests/vllm_harness.py) for every test in the process.
+    # harness's CPU platform (tests/helpers/vllm_harness.py) for every test in the process.
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     # vLLM imports humming (its quantized-GEMM kernels), which on import starts two
     # background processes that build its CUDA launcher: on a CPU machine each imports

@@ -4,7 +4,7 @@ Three separate Python processes share one cache directory (``TORCHINDUCTOR_CACHE
 tmp_path``; FX graph cache and AOTAutograd cache on, ``force_disable_caches`` off) and
 compile one after another: a small K3 in the attn_res stream, then the prefix stream,
 then attn_res again, each forked, once the one before it has exited, from one parent that
-did the imports (tests/process_helpers.py). Each prints, as JSON, how far its taps are from each
+did the imports (tests/helpers/process.py). Each prints, as JSON, how far its taps are from each
 stream's expected values (``ground_truth`` for attn_res, the eager forward's running
 prefix for prefix) and its ``counters["inductor"]`` / ``counters["aot_autograd"]``.
 
@@ -26,8 +26,8 @@ import sys
 
 import pytest
 import torch
-from op_helpers import OP_TOL
-from process_helpers import one_after_another
+from helpers.op import OP_TOL
+from helpers.process import one_after_another
 
 from kimi_passes.fusion import AttnResFusionPass
 from kimi_passes.fx import cache_key

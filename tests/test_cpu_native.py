@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 import torch
-from op_helpers import clone_args, make_args
+from helpers.op import clone_args, make_args
 
 from kimi_passes.ops import cpu_native
 from kimi_passes.ops.attn_res_args import AttnResArgs

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from op_helpers import DTYPES, EPS, clone_args, mix_args, opcheck
-from op_helpers import make_args as _make_args
+from helpers.op import DTYPES, EPS, clone_args, mix_args, opcheck
+from helpers.op import make_args as _make_args
 
 import kimi_passes
 from kimi_passes.ops import (
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 OPS = torch.ops.kimi
 DEV = "cuda"
-# fp32 1e-4, not the op tolerance's 1e-5 (op_helpers.OP_TOL, which the CPU path and the
+# fp32 1e-4, not the op tolerance's 1e-5 (helpers.op.OP_TOL, which the CPU path and the
 # interpreted kernel meet): the compiled kernel's exp and rsqrt are the GPU's approximate
 # instructions, and its reductions run in another order, over rows up to K3's H=7168.
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}

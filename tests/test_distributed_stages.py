@@ -11,8 +11,8 @@ model's taps (fp32, atol = rtol = 1e-5).
 
 gloo over loopback (``GLOO_SOCKET_IFNAME=lo``), rendezvous through a FileStore in
 ``tmp_path``, processes started with ``torch.multiprocessing`` (forkserver, the server
-having imported this module and set up Inductor (``rank_preload``), so torch, kimi_passes
-and Inductor's set-up happen once, not per rank).
+having imported this module and set up Inductor (``helpers.rank_preload``), so torch,
+kimi_passes and Inductor's set-up happen once, not per rank).
 Every wait is bounded: a hang fails the test instead of blocking it.
 
 Every compile (ranks and the single-process reference) uses Inductor's
@@ -34,8 +34,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from k3_helpers import token_ids as seeded_ids
-from op_helpers import OP_TOL
+from helpers.k3 import token_ids as seeded_ids
+from helpers.op import OP_TOL
 
 import kimi_passes
 from kimi_passes import AuxCaptureError
@@ -77,9 +77,10 @@ def _worker(rank: int, world: int, cfg: K3Config, bounds: tuple, tmp: str,
     out_file = os.path.join(tmp, f"rank{rank}.pt")
     result = {"rank": rank, "status": "started"}
     try:
-        if "rank_preload" not in sys.modules:
-            raise RuntimeError("the forkserver did not preload rank_preload: each rank would "
-                               "import torch and set up Inductor itself (start_forkserver)")
+        if "helpers.rank_preload" not in sys.modules:
+            raise RuntimeError("the forkserver did not preload helpers.rank_preload: each rank "
+                               "would import torch and set up Inductor itself "
+                               "(start_forkserver)")
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
         torch.set_num_threads(1)
         torch._inductor.config.compile_threads = 1
@@ -133,11 +134,11 @@ def _worker(rank: int, world: int, cfg: K3Config, bounds: tuple, tmp: str,
 
 
 def start_forkserver(ctx) -> None:
-    """Start the forkserver (once per process) with this module and ``rank_preload``
+    """Start the forkserver (once per process) with this module and ``helpers.rank_preload``
     imported. The server imports its preload with ``sys.path`` as a fresh interpreter has
     it (Python 3.11 does not apply the parent's) and ignores an ImportError, so it is
     started with this directory on ``PYTHONPATH``; each rank checks it was preloaded."""
-    ctx.set_forkserver_preload([__name__, "rank_preload"])
+    ctx.set_forkserver_preload([__name__, "helpers.rank_preload"])
     path = [os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH")]
     with mock.patch.dict(os.environ, {"PYTHONPATH": os.pathsep.join(filter(None, path))}):
         forkserver.ensure_running()

@@ -17,8 +17,8 @@ from unittest import mock
 
 import pytest
 import torch
-from k3_helpers import assert_taps_close, inference_model, small_config, token_ids
-from process_helpers import one_after_another
+from helpers.k3 import assert_taps_close, inference_model, small_config, token_ids
+from helpers.process import one_after_another
 
 import kimi_passes.graphs.k3 as k3_module
 from kimi_passes import AuxCaptureError, AuxStreamPass, aux_tap, make_kimi_backend
@@ -257,7 +257,7 @@ def _served(config, method, ids):
 def test_vllm_adapter_reads_the_served_drafter(monkeypatch):
     """The string route's pass (no draft_config) checks against the drafter vLLM serves,
     and its uuid() changes with it."""
-    import vllm_harness as h
+    import helpers.vllm_harness as h
     from vllm.config import set_current_vllm_config
 
     from kimi_passes.vllm import attn_res_stream_pass

@@ -21,7 +21,7 @@ import logging
 
 import pytest
 import torch
-from k3_helpers import rel_err
+from helpers.k3 import rel_err
 
 from kimi_passes import make_kimi_backend
 from kimi_passes.debug.recording import GraphRecorder

@@ -1,10 +1,11 @@
 """Differential fuzz of AttnResFusionPass: ``kimi_backend`` equals plain Inductor.
 
 ``kimi_backend`` rewrites every model compiled with it, so a false match would silently
-change someone's numbers. Random plain-torch programs (tests/fusion_programs.py: one or
-two mixing sites over the layouts ``[T, n, H]``, ``[n, B, T, H]`` and ``bank[:, a:b]`` +
-prefix, in many spellings, some sites turned into near misses) are compiled twice,
-``torch.compile(..., backend=kimi_backend)`` and ``backend="inductor"``, and:
+change someone's numbers. Random plain-torch programs (tests/helpers/fusion_programs.py:
+one or two mixing sites over the layouts ``[T, n, H]``, ``[n, B, T, H]`` and
+``bank[:, a:b]`` + prefix, in many spellings, some sites turned into near misses) are
+compiled twice, ``torch.compile(..., backend=kimi_backend)`` and ``backend="inductor"``,
+and:
 
 - eval (no grad): the outputs agree, and the graph holds one kimi mix node
   (``attn_res_mix`` or ``attn_res_mix_list``) per exact site: every exact site is fused,
@@ -54,7 +55,7 @@ import time
 
 import pytest
 import torch
-from fusion_programs import (
+from helpers.fusion_programs import (
     DOTS,
     KEY_CASTS,
     LAYOUTS,
@@ -70,7 +71,7 @@ from fusion_programs import (
     programs,
     reference,
 )
-from fuzz_helpers import fuzz_env, seeded
+from helpers.fuzz import fuzz_env, seeded
 from hypothesis import HealthCheck, Phase, example, given, settings
 from torch._inductor import config as inductor_config
 

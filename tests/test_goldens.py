@@ -29,7 +29,7 @@ from unittest import mock
 import expecttest
 import pytest
 import torch
-from op_helpers import OP_TOL
+from helpers.op import OP_TOL
 from torch._dynamo.exc import BackendCompilerFailed
 
 import kimi_passes.graphs

@@ -7,7 +7,7 @@ from itertools import pairwise
 
 import pytest
 import torch
-from k3_helpers import token_ids
+from helpers.k3 import token_ids
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 

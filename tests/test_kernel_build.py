@@ -4,7 +4,7 @@
 Blackwell on this CPU machine and reads registers and stack from the cubin. Triton reads
 TRITON_INTERPRET when it is imported and the test session runs interpreted (conftest), so
 the builds run in other processes with TRITON_INTERPRET unset: each forked from one parent
-that has imported torch, Triton and the kernels (tests/process_helpers.py), since those
+that has imported torch, Triton and the kernels (tests/helpers/process.py), since those
 imports are most of a process's time when Triton's cache serves the builds.
 """
 
@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from process_helpers import ForkingParent
+from helpers.process import ForkingParent
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOL = ROOT / "tools" / "kernel_build.py"

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from k3_helpers import assert_taps_close, inference_model, small_config, token_ids
-from op_helpers import DTYPES, OP_TOL, clone_args, make_args, mix_args
+from helpers.k3 import assert_taps_close, inference_model, small_config, token_ids
+from helpers.op import DTYPES, OP_TOL, clone_args, make_args, mix_args
 from torch._inductor.utils import run_and_get_code
 
 from kimi_passes import AuxStreamPass, make_kimi_backend, pass_manager

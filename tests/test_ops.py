@@ -11,7 +11,7 @@ import re
 
 import pytest
 import torch
-from op_helpers import (
+from helpers.op import (
     DTYPES,
     EPS,
     ONORM_EPS,

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from k3_helpers import rel_err
-from op_helpers import DTYPES, OP_TOL, OPCHECK_UTILS
+from helpers.k3 import rel_err
+from helpers.op import DTYPES, OP_TOL, OPCHECK_UTILS
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kimi_passes.graphs.k3 import K3Config, K3Model

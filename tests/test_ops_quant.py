@@ -13,7 +13,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from op_helpers import clone_args, make_args, opcheck
+from helpers.op import clone_args, make_args, opcheck
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from kimi_passes.ops import AttnResArgumentError, quant_fp8_constants

@@ -26,8 +26,8 @@ import os
 import numpy as np
 import pytest
 import torch
-from fp8_helpers import assert_rows_agree, bits, gpu_rounding, vllm_amd
-from op_helpers import clone_args, make_args
+from helpers.fp8 import assert_rows_agree, bits, gpu_rounding, vllm_amd
+from helpers.op import clone_args, make_args
 
 from kimi_passes import ops
 from kimi_passes.ops.attn_res_args import AttnResQuantArgs

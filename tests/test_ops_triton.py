@@ -13,7 +13,7 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
-from op_helpers import DTYPES, OP_TOL
+from helpers.op import DTYPES, OP_TOL
 
 from kimi_passes.ops import (
     AttnResArgumentError,

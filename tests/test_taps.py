@@ -15,7 +15,7 @@ import re
 
 import pytest
 import torch
-from k3_helpers import (
+from helpers.k3 import (
     assert_taps_close,
     compile_model,
     compiled_ground_truth,

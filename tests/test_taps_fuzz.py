@@ -58,10 +58,10 @@ import time
 
 import pytest
 import torch
-from fuzz_helpers import fuzz_env, seeded
+from helpers.fuzz import fuzz_env, seeded
+from helpers.op import OP_TOL, clone_args
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
-from op_helpers import OP_TOL, clone_args
 
 import kimi_passes
 from kimi_passes import AuxCaptureError
@@ -105,7 +105,7 @@ OP_SETTINGS = settings(
 )
 
 
-# Not the op tolerance (op_helpers.OP_TOL): a whole compiled model's drift from eager in
+# Not the op tolerance (helpers.op.OP_TOL): a whole compiled model's drift from eager in
 # fp32, and bf16 against a compiled reference ("References and tolerances" above).
 TOL = {torch.float32: 1e-3, torch.bfloat16: 3e-2}
 

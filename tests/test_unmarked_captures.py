@@ -1,6 +1,6 @@
 """Aux captures with no marker (``kimi_passes/taps/capture.py``), as vLLM's K3 returns them.
 
-The programs (``unmarked_programs.VllmLikeK3``) follow vLLM 0.33.0's K3 forward with
+The programs (``helpers.unmarked_programs.VllmLikeK3``) follow vLLM 0.33.0's K3 forward with
 ``torch.ops.kimi.attn_res`` and return their aux states in a list: flag off, capture k is
 ``prefix_sum + pending`` (either operand order); flag on, a separate pure mixing call.
 Under the ``attn_res`` stream every capture reads its consumer's pre-norm mixture (checked
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from op_helpers import OP_TOL
+from helpers.op import OP_TOL
+from helpers.unmarked_programs import VllmLikeK3
 from torch._inductor import config as inductor_config
-from unmarked_programs import VllmLikeK3
 
 import kimi_passes
 from kimi_passes import AuxCaptureError, AuxStreamPass, make_kimi_backend

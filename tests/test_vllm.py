@@ -1,4 +1,4 @@
-"""kimi_passes inside vLLM's real compile path (vLLM 0.33.0, CPU; harness: vllm_harness.py).
+"""kimi_passes inside vLLM's real compile path (vLLM 0.33.0, CPU; tests/helpers/vllm_harness.py).
 
 Each model is compiled through ``@support_torch_compile`` and ``VllmBackend``: Dynamo's
 graph is split at the attention custom op listed in ``splitting_ops`` (the number of
@@ -34,10 +34,10 @@ if importlib.util.find_spec("vllm") is None:  # test_vllm_required.py fails on C
     pytest.skip("vLLM is not installed (bash tools/install_vllm.sh installs it)",
                 allow_module_level=True)
 
+import helpers.vllm_harness as h  # noqa: E402
 import torch  # noqa: E402
-import vllm_harness as h  # noqa: E402
-from op_helpers import OP_TOL  # noqa: E402
-from process_helpers import INDUCTOR_SETUP, one_after_another  # noqa: E402
+from helpers.op import OP_TOL  # noqa: E402
+from helpers.process import INDUCTOR_SETUP, one_after_another  # noqa: E402
 
 from kimi_passes import AuxCaptureError  # noqa: E402
 from kimi_passes.graphs.k3 import K3Config  # noqa: E402
@@ -58,8 +58,8 @@ MODELS = {
 VARIANTS = {"k3_tiny": [("attn_res", True), ("attn_res", False), ("prefix", True)],
             "l3_s1": [("attn_res", True), ("attn_res", False), ("prefix", False)]}
 TOKENS = (9, 5)  # two token counts on one dynamic graph
-# What a serving process imports before it builds its config (vllm_harness.main), then
-# what its first compile sets up (tests/process_helpers.py).
+# What a serving process imports before it builds its config (h.main), then what its
+# first compile sets up (tests/helpers/process.py).
 VLLM_IMPORTS = ("torch", "kimi_passes", "vllm.compilation.decorators", "vllm.config",
                 *INDUCTOR_SETUP)
 # Every case compiles with Inductor's fallback_by_default, as the golden tests do: the
@@ -358,16 +358,18 @@ def test_three_processes_share_one_vllm_cache_root(tmp_path):
     """attn_res, prefix, attn_res: each served its own stream; the third from the cache.
 
     Each process is forked, once the one before it has exited, from one parent that has
-    imported vLLM (most of a process's time; tests/process_helpers.py).
+    imported vLLM (most of a process's time; tests/helpers/process.py).
     """
+    path = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path / "vllm"),
-           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+           "PYTHONPATH": path}  # h.SERVE imports helpers.vllm_harness
     env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
     env.pop("VLLM_DISABLE_COMPILE_CACHE", None)
     streams = ("attn_res", "prefix", "attn_res")
     outs = [tmp_path / f"out{i}.json" for i in range(len(streams))]
-    one_after_another([[sys.executable, str(HERE / "vllm_harness.py"), stream, "adapter",
-                        str(out)] for stream, out in zip(streams, outs, strict=True)],
+    one_after_another([[sys.executable, "-c", h.SERVE, stream, "adapter", str(out)]
+                       for stream, out in zip(streams, outs, strict=True)],
                       env, timeout=600, imports=VLLM_IMPORTS)
     results = [json.loads(out.read_text()) for out in outs]
     for r in results:

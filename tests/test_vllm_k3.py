@@ -1,11 +1,12 @@
 """vLLM 0.33.0's own Kimi K3 forward, as installed, compiled with the kimi passes (CPU).
 
 The installed NVIDIA (``nvidia/model.py``) and ROCm (``amd/linear.py``) forward code runs
-unmodified (tests/vllm_k3_harness.py names the stand-ins: attention, the MoE/MLP, the
-embedding, the norm/projection weight holders, the PP group, and vLLM's GPU-only Triton
-import). vLLM's ``attn_res`` reaches the graph the way users get it: the
-``vllm.general_plugins`` entry point ``kimi_passes`` (``kimi_passes.vllm.k3_route``), loaded by
-vLLM's own ``load_general_plugins`` with ``$KIMI_PASSES_AUX_STREAM`` set.
+unmodified (``kimi_passes.graphs.vllm_k3``, graphs/vllm_k3.py, names the stand-ins:
+attention, the MoE/MLP, the embedding, the norm/projection weight holders, the PP group, and
+vLLM's GPU-only Triton import). vLLM's ``attn_res`` reaches the graph the way users get it:
+the ``vllm.general_plugins`` entry point ``kimi_passes`` (``kimi_passes.vllm.k3_route``),
+loaded by vLLM's own ``load_general_plugins`` with ``$KIMI_PASSES_AUX_STREAM`` set
+(tests/helpers/vllm_harness.py ``load_vllm_plugins``).
 
 The truth, for every aux state: the installed NVIDIA code's own eager output with
 ``VLLM_KIMI_K3_AUX_ATTN_RES_STREAM=1`` for the same weights (its capture k is layer k's
@@ -26,9 +27,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import re
 import sys
-from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -38,11 +37,12 @@ if importlib.util.find_spec("vllm") is None:  # test_vllm_required.py fails on C
                 allow_module_level=True)
 
 import torch  # noqa: E402
-import vllm_k3_harness as h  # noqa: E402
-from fp8_helpers import assert_rows_agree, gpu_rounding, vllm_amd  # noqa: E402
-from op_helpers import OP_TOL, clone_args, make_args  # noqa: E402
+from helpers.fp8 import assert_rows_agree, gpu_rounding, vllm_amd  # noqa: E402
+from helpers.op import OP_TOL, clone_args, make_args  # noqa: E402
+from helpers.vllm_harness import count_attn_res, load_vllm_plugins  # noqa: E402
 
 import kimi_passes  # noqa: E402
+import kimi_passes.graphs.vllm_k3 as h  # noqa: E402
 import kimi_passes.vllm.k3_route as route  # noqa: E402
 from kimi_passes.config.stream import ENV_VAR  # noqa: E402
 from kimi_passes.fx.manager import PassObserver  # noqa: E402
@@ -56,45 +56,6 @@ SPEC = h.Spec()  # 6 layers, H=64, blocks of 2 (layers 0, 2, 4 write a block)
 CAPTURE = (0, 2, 3, 5, 6)
 TS = (8, 300, 1)  # one dynamic compile, T = 1 last (it must not recompile)
 DRAFT = {"eagle_aux_hidden_state_layer_ids": list(CAPTURE)}
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def entry_point():
-    """Our ``vllm.general_plugins`` entry point, as pyproject.toml declares it."""
-    import importlib.metadata as md
-
-    text = (ROOT / "pyproject.toml").read_text()  # tomllib is 3.11+; the section is one line
-    found = re.search(r'\[project\.entry-points\."vllm\.general_plugins"\]\n'
-                      r'(\w+) = "([\w.:]+)"\n', text)
-    assert found, "pyproject.toml declares no vllm.general_plugins entry point"
-    name, value = found.groups()
-    return md.EntryPoint(name=name, value=value, group="vllm.general_plugins")
-
-
-def load_vllm_plugins(env: str | None) -> None:
-    """vLLM's ``load_general_plugins`` in a process whose metadata holds our entry point.
-
-    (The editable install's metadata holds it after ``pip install -e .``; here it is
-    added to what ``importlib.metadata.entry_points`` answers.)
-    """
-    import importlib.metadata as md
-
-    import vllm.plugins as vp
-
-    real = md.entry_points
-
-    def entry_points(**kw):
-        if kw.get("group") == vp.DEFAULT_PLUGINS_GROUP:
-            return md.EntryPoints([*real(**kw), entry_point()])
-        return real(**kw)
-
-    environ = {} if env is None else {ENV_VAR: env}
-    with mock.patch.object(md, "entry_points", entry_points), \
-            mock.patch.object(vp, "plugins_loaded", False), \
-            mock.patch.dict(os.environ, environ):
-        if env is None:
-            os.environ.pop(ENV_VAR, None)
-        vp.load_general_plugins()
 
 
 @pytest.fixture
@@ -153,7 +114,7 @@ class MixingCalls(PassObserver):
         self.counts: list[int] = []
 
     def after_passes(self, graph, seconds):
-        self.counts.append(h.count_attn_res(graph))
+        self.counts.append(count_attn_res(graph))
 
 
 def run_ts(model, dtype, what):
@@ -221,7 +182,7 @@ def test_vllm_k3_amd_route_quant_is_vllms_own_kernel(routed):
     """The ROCm route's ``quant_dtype`` at a capture's consumer
     (``kimi::attn_res_quant_capture``, the platform's bound)
     against vLLM's own AMD ``attn_res(..., quant_dtype=)`` (interpreted, rounding as a GPU
-    does: tests/fp8_helpers.py) on the platform it would run on: the same in-place effects,
+    does: tests/helpers/fp8.py) on the platform it would run on: the same in-place effects,
     and bytes and scales bit for bit on every row whose unquantized outputs agree. The
     e4m3fn quant on an fnuz platform takes the platform's 224, as vLLM's kernel does."""
     amd = sys.modules["vllm.models.kimi_k3.amd.linear"]
@@ -457,7 +418,7 @@ def test_vllm_k3_kimi_backend_reads_vllms_served_drafter():
     """``backend="kimi"`` as vLLM's STOCK_TORCH_COMPILE hands it (the name, no options),
     first called under vLLM's current config (as vLLM's profile run is): the drafter vLLM
     serves is checked (the heavy STOCK_TORCH_COMPILE test serves a matching one)."""
-    from k3_helpers import inference_model, small_config, token_ids
+    from helpers.k3 import inference_model, small_config, token_ids
     from vllm.config import (
         CompilationConfig,
         CompilationMode,

@@ -6,7 +6,7 @@ architecture, ``EngineArgs`` for the README's command) decides how K3 runs; the 
 mode with the plugin loaded by vLLM's ``load_general_plugins``. The truth for every aux
 state: the installed NVIDIA code's flag-on eager output, every call vLLM's own ``attn_res``.
 
-Stand-ins (only for what needs a GPU): tests/vllm_k3_harness.py's attention, MoE/MLP,
+Stand-ins (only for what needs a GPU): graphs/vllm_k3.py's attention, MoE/MLP,
 embedding, norm/projection holders and PP group; vLLM's own ``attn_res`` is its installed
 NVIDIA / ROCm Triton kernel, interpreted (``TRITON_INTERPRET=1``) at T = 1 and 8, and
 ``kimi::attn_res`` (``h.kimi_own``) at T = 300, where the interpreter takes ~7 s a call;
@@ -33,10 +33,10 @@ if importlib.util.find_spec("vllm") is None:  # test_vllm_required.py fails on C
                 allow_module_level=True)
 
 import torch  # noqa: E402
-import vllm_k3_harness as h  # noqa: E402
-from op_helpers import OP_TOL  # noqa: E402
-from test_vllm_k3 import load_vllm_plugins  # noqa: E402
+from helpers.op import OP_TOL  # noqa: E402
+from helpers.vllm_harness import load_vllm_plugins  # noqa: E402
 
+import kimi_passes.graphs.vllm_k3 as h  # noqa: E402
 import kimi_passes.vllm.k3_route as route  # noqa: E402
 from kimi_passes.config.stream import ENV_VAR  # noqa: E402
 from kimi_passes.vllm import k3_eager, k3_plan  # noqa: E402
@@ -309,7 +309,7 @@ def test_vllm_k3_eager_route_prefix_stream_is_vllms_own():
 def test_vllm_k3_eager_route_quant_consumer():
     """A ROCm consumer with FP8 output (``quant_dtype``): ``kimi::attn_res_quant_capture``,
     its bytes and scales ``attn_res_quant``'s, the capture ``attn_res_capture``'s mixture."""
-    from op_helpers import clone_args, make_args
+    from helpers.op import clone_args, make_args
 
     _, amd = h.vllm_modules()
     args = make_args(6, 64, 4, 3, 3, torch.bfloat16, delta=True, onorm=True, seed=5)

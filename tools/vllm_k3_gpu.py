@@ -1,6 +1,6 @@
 """vLLM's own Kimi K3 forward on a GPU: vLLM's attn_res (flag off, flag on) vs the kimi pass.
 
-Runs the installed vLLM K3 NVIDIA forward code (tests/vllm_k3_harness.py: the same code
+Runs the installed vLLM K3 NVIDIA forward code (kimi_passes.graphs.vllm_k3: the same code
 objects and stand-ins as tests/test_vllm_k3.py) at K3's width, and reports, per token
 count, every row's worst aux-state error against vLLM's own flag-on eager output and its
 time per forward (CUDA events, the rows interleaved round by round, median of rounds):
@@ -51,15 +51,15 @@ def main(argv=None) -> int:
     if importlib.util.find_spec("vllm") is None:
         return skip("vLLM is not installed here (the rows run vLLM's installed K3 code: "
                     "bash tools/install_vllm.sh where a registry is reachable)", args.json)
+    # vLLM's CPU platform on every device, as the harness (which set it on import) had it.
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     if args.device == "cpu":
-        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    sys.path.insert(0, str(ROOT / "tests"))
     import torch
     import torch.fx.experimental._config as fx_config
-    import vllm_k3_harness as h  # type: ignore[import-not-found]
 
     import kimi_passes
+    import kimi_passes.graphs.vllm_k3 as h
     import kimi_passes.vllm.k3_route as route
 
     dtype = getattr(torch, args.dtype)

@@ -1,8 +1,8 @@
 """Preloaded by the forkserver that starts tests/test_distributed_stages.py's ranks: each
 rank is forked with Inductor set up as the cross-process tests' children are
-(tests/process_helpers.py ``INDUCTOR_SETUP``), instead of setting it up again at the start
+(tests/helpers/process.py ``INDUCTOR_SETUP``), instead of setting it up again at the start
 of its first compile."""
 
-from process_helpers import INDUCTOR_SETUP, set_up
+from helpers.process import INDUCTOR_SETUP, set_up
 
 set_up(INDUCTOR_SETUP)

@@ -25,9 +25,10 @@ from pathlib import Path
 _PARENT = r"""
 import atexit, importlib.util, json, os, runpy, sys, time, traceback
 
-# This file's set_up, loaded by path (the children keep this process's sys.path as is).
-spec = importlib.util.spec_from_file_location("process_helpers", sys.argv[3])
-helpers = sys.modules["process_helpers"] = importlib.util.module_from_spec(spec)
+# This file's set_up, loaded by path under its own name (the children keep this process's
+# sys.path as is: tests/ is not on it unless the caller's PYTHONPATH says so).
+spec = importlib.util.spec_from_file_location("helpers.process", sys.argv[3])
+helpers = sys.modules["helpers.process"] = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(helpers)
 helpers.set_up(json.loads(sys.argv[1]))
 timeout = float(sys.argv[2])
@@ -88,7 +89,7 @@ INDUCTOR_SETUP = ("torch._inductor.compile_fx", "torch._inductor.codegen.cpp",
                   "torch._inductor.codegen.wrapper", "torch._inductor.scheduler",
                   "torch._inductor.lowering", "torch._inductor.decomposition",
                   "torch._inductor.codegen.common:init_backend_registration",
-                  "process_helpers:init_cpu_patterns")
+                  "helpers.process:init_cpu_patterns")
 DEFAULT_IMPORTS = ("torch", "kimi_passes", *INDUCTOR_SETUP)
 
 
@@ -106,7 +107,7 @@ def init_cpu_patterns() -> None:
 def set_up(names: tuple[str, ...]) -> None:
     """In this process, what the forking parent does before it forks: import each of
     ``names``, and call ``function`` for a ``module:function`` name (for a forkserver's
-    preload, which only imports: tests/rank_preload.py)."""
+    preload, which only imports: tests/helpers/rank_preload.py)."""
     for name in names:
         module, _, call = name.partition(":")
         imported = importlib.import_module(module)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-from op_helpers import OP_TOL
 
 import kimi_passes
+from helpers.op import OP_TOL
 from kimi_passes.graphs.k3 import K3Config, K3Model
 
 

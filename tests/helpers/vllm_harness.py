@@ -1,8 +1,8 @@
-"""Drive vLLM's real compile path (``VllmBackend``, ``split_graph``, ``PiecewiseBackend``,
-``PostGradPassManager``) on a CPU machine with the reference K3.
+"""The vLLM test harness: vLLM's real compile path on CPU, and vLLM's plugin loading.
 
-Test infrastructure, not library code. What it works around is the CPU platform, never
-vLLM's compile pipeline:
+Drives vLLM's compile path (``VllmBackend``, ``split_graph``, ``PiecewiseBackend``,
+``PostGradPassManager``) with the reference K3 (tests/test_vllm.py). What it works around
+is the CPU platform, never vLLM's compile pipeline:
 
 1. schema-only stubs for the ``torch.ops._C`` ops vLLM's ``FixFunctionalizationPass``
    looks up by name (the CUDA extension that defines them does not load here);
@@ -13,25 +13,35 @@ vLLM's compile pipeline:
 
 Attention runs behind the custom op ``kimi_vllm_test::attention``, listed in
 ``splitting_ops`` the way vLLM lists its attention ops, so the graph really is split.
-Also runnable as a script (one process of the shared-cache test): see ``main``.
+``main`` is one serving process of the shared-cache test. ``load_vllm_plugins`` loads the
+``kimi_passes`` plugin as vLLM does (tests/test_vllm_k3*.py, which run vLLM's installed K3
+forward: ``kimi_passes.graphs.vllm_k3``).
 """
 
 from __future__ import annotations
 
 import os
 
+# vLLM picks its platform once, when first imported: the CPU one, also in a serving process
+# (``main``) whose environment does not say (tests/conftest.py sets it under pytest).
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import json  # noqa: E402
+import re  # noqa: E402
 import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+from unittest import mock  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from k3_helpers import token_ids  # noqa: E402  (tests/ is on sys.path, first when a script)
 from torch import nn  # noqa: E402
 
 import kimi_passes  # noqa: E402,F401
+from helpers.k3 import token_ids  # noqa: E402
+from kimi_passes.config.stream import ENV_VAR  # noqa: E402
 from kimi_passes.graphs.k3 import K3Config, K3Model  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
 
 ATTENTION_OP = "kimi_vllm_test::attention"
 
@@ -158,10 +168,9 @@ def callable_route_module(stream: str, unguarded: bool = False) -> str:
     refusal of that wrapper off in this process, to measure what the refusal prevents.
     """
     import types
-    from unittest import mock
 
     from kimi_passes import AuxStreamPass
-    from kimi_passes.config.stream import ENV_VAR, resolve_aux_stream
+    from kimi_passes.config.stream import resolve_aux_stream
 
     name = "kimi_vllm_callable_route"
     module = types.ModuleType(name)
@@ -174,8 +183,67 @@ def callable_route_module(stream: str, unguarded: bool = False) -> str:
     return f"{name}.aux_pass"
 
 
+def count_attn_res(graph: torch.fx.Graph) -> int:
+    """``kimi::attn_res`` family calls (functionalized or not) in a post-grad graph."""
+    n = 0
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        target = node.args[0] if "auto_functionalized" in str(node.target) else node.target
+        name = str(getattr(target, "_name", target))
+        if name.startswith("kimi::attn_res"):
+            n += 1
+    return n
+
+
+# --------------------------------------------- the kimi_passes plugin, as vLLM loads it
+
+def entry_point():
+    """Our ``vllm.general_plugins`` entry point, as pyproject.toml declares it."""
+    import importlib.metadata as md
+
+    text = (ROOT / "pyproject.toml").read_text()  # tomllib is 3.11+; the section is one line
+    found = re.search(r'\[project\.entry-points\."vllm\.general_plugins"\]\n'
+                      r'(\w+) = "([\w.:]+)"\n', text)
+    assert found, "pyproject.toml declares no vllm.general_plugins entry point"
+    name, value = found.groups()
+    return md.EntryPoint(name=name, value=value, group="vllm.general_plugins")
+
+
+def load_vllm_plugins(env: str | None) -> None:
+    """vLLM's ``load_general_plugins`` in a process whose metadata holds our entry point.
+
+    (The editable install's metadata holds it after ``pip install -e .``; here it is
+    added to what ``importlib.metadata.entry_points`` answers.)
+    """
+    import importlib.metadata as md
+
+    import vllm.plugins as vp
+
+    real = md.entry_points
+
+    def entry_points(**kw):
+        if kw.get("group") == vp.DEFAULT_PLUGINS_GROUP:
+            return md.EntryPoints([*real(**kw), entry_point()])
+        return real(**kw)
+
+    environ = {} if env is None else {ENV_VAR: env}
+    with mock.patch.object(md, "entry_points", entry_points), \
+            mock.patch.object(vp, "plugins_loaded", False), \
+            mock.patch.dict(os.environ, environ):
+        if env is None:
+            os.environ.pop(ENV_VAR, None)
+        vp.load_general_plugins()
+
+
+# ---------------------------------------------------------------- one serving process
+
+SERVE = "import sys; from helpers.vllm_harness import main; sys.exit(main())"
+
+
 def main(argv=None) -> int:
-    """One serving process: ``python tests/vllm_harness.py STREAM ROUTE OUT.json``.
+    """One serving process: ``python -c SERVE STREAM ROUTE OUT.json`` with tests/ on
+    ``PYTHONPATH`` (or ``python -m helpers.vllm_harness ...`` run from tests/).
 
     ``ROUTE``: ``adapter`` (``kimi_passes.vllm.compile_config_entries``), ``named``
     (``inductor_passes`` naming ``kimi_passes.vllm.<stream>_stream_pass``), ``callable``

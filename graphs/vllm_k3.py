@@ -1,35 +1,23 @@
-"""vLLM 0.33.0's own Kimi K3 forward code, as installed, on CPU (test infrastructure).
+"""vLLM 0.33.0's own Kimi K3 forward code, as installed, assembled on small stand-ins.
 
-The code objects run unmodified: NVIDIA (``vllm/models/kimi_k3/nvidia/model.py``)
-``KimiLinearModel.forward``, ``_capture_aux_hidden_stream``, ``_set_aux_hidden_state_layers``,
-``KimiDecoderLayer.forward``, ``_pre_attn_norm``, ``_post_attn_norm``; ROCm
-(``vllm/models/kimi_k3/amd/linear.py``) ``KimiLinearModel.forward``,
-``_maybe_add_hidden_state``, ``KimiDecoderLayer.forward`` / ``forward_attn_residual``,
-``_apply_attn_res``; vLLM's ``EagleModelMixin`` (capture ids, the PP aux packing) and
-``IntermediateTensors``. The modules are built with ``object.__new__`` and
-``nn.Module.__init__`` plus the attributes those methods read: their ``__init__`` builds
-GPU kernels, the TP/EP groups and CUDA streams.
+vLLM's code objects run unmodified: NVIDIA (``vllm/models/kimi_k3/nvidia/model.py``)
+``KimiLinearModel.forward`` and the methods it calls, ROCm (``amd/linear.py``) the same,
+vLLM's ``EagleModelMixin`` (capture ids, the PP aux packing) and ``IntermediateTensors``.
+``build`` makes the modules with ``object.__new__`` plus the attributes those methods read
+(their ``__init__`` builds GPU kernels, TP/EP groups and CUDA streams), and puts stand-ins
+only where vLLM's code cannot run without a GPU or a distributed group: ``Attention`` for
+MLA/KDA (a causal running mean), ``Mlp`` for the MoE, ``nn.Embedding``, ``Weights`` for
+the norm and AttnRes projection holders (the AttnRes path reads ``weight`` and
+``variance_epsilon``), ``Stage`` for the PP group. vLLM's ``attn_res`` is whatever the
+modules hold: the route users get (``kimi_passes.vllm.k3_route``), vLLM's own kernel
+(``vllm_kernel``, ``own_attn_res``: its installed source, interpreted without a GPU), or
+``kimi_own`` standing in for it where the interpreter is too slow.
 
-Stand-ins, for what cannot run here, and only those:
-
-- attention (vLLM's MLA / KDA layers: CUDA kernels and a KV cache): ``Attention``, a causal
-  running mean of a projection, then an output projection;
-- the MoE / MLP (vLLM's fused MoE and parallel linears: TP groups, CUDA kernels): ``Mlp``;
-- the embedding (``VocabParallelEmbedding`` needs the TP group): ``nn.Embedding``;
-- the norm and AttnRes projection holders (vLLM's ``RMSNorm`` / ``ReplicatedLinear`` need a
-  vLLM config and quant method; the AttnRes path reads only ``weight`` and
-  ``variance_epsilon``): ``Weights``;
-- the PP group (``get_pp_group`` in the two model modules and in
-  ``vllm.distributed.parallel_state``, which the mixin reads): ``Stage``, one per stage;
-- CUDA streams: not needed (the stream is made in ``KimiLinearModel.__init__``, not run);
-- vLLM's GPU-only Triton import: ``vllm.triton_utils`` hands out placeholders without a GPU,
-  so ``vllm_kernel`` runs the installed ``nvidia/ops/attn_res.py`` source with
-  ``triton`` / ``triton.language`` imported directly (its one changed line), the kernel
-  interpreted (``TRITON_INTERPRET=1``).
-
-vLLM's ``attn_res`` itself is the route users get (``kimi_passes.vllm.k3_route``: rebound to
-``kimi::attn_res``) or, where a test says so, vLLM's own Triton kernel under
-``TRITON_INTERPRET=1``.
+Imports vLLM when called, not when imported (``kimi_passes.graphs`` does not import it).
+The caller picks vLLM's platform: on a machine without a GPU, ``VLLM_TARGET_DEVICE=cpu``
+and ``TRITON_INTERPRET=1`` before vLLM is first imported. Used by the vLLM K3 tests
+(tests/test_vllm_k3*.py) and the GPU tool (tools/vllm_k3_gpu.py); docs/testing.md says
+what each stand-in replaces and why.
 """
 
 from __future__ import annotations
@@ -41,12 +29,10 @@ import types
 from bisect import bisect_right
 from unittest import mock
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+import torch
+from torch import nn
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-import kimi_passes  # noqa: E402,F401
+from kimi_passes.ops.conventions import cdiv
 
 FLAG = "VLLM_KIMI_K3_AUX_ATTN_RES_STREAM"
 
@@ -62,10 +48,6 @@ class Spec:
     inner: int = 96
     eps: float = 1e-6
     seed: int = 0
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class Weights(nn.Module):
@@ -130,7 +112,8 @@ def vllm_modules():
 
 @contextlib.contextmanager
 def stage(s: Stage):
-    """Run (or compile) vLLM's code as PP stage ``s``."""
+    """Run (or compile) vLLM's code as PP stage ``s``: ``get_pp_group`` answers ``s`` in the
+    two K3 modules and in ``vllm.distributed.parallel_state`` (which the mixin reads)."""
     import vllm.distributed.parallel_state as ps
 
     nvidia, amd = vllm_modules()
@@ -282,7 +265,9 @@ def vllm_attn_res():
 
 def own_attn_res():
     """vLLM's own NVIDIA ``attn_res``: as vLLM imports it where its Triton is real (a GPU),
-    else from its installed source (``vllm_attn_res``, interpreted)."""
+    else from its installed source (``vllm_attn_res``, interpreted): without a GPU
+    ``vllm.triton_utils`` hands out placeholders, so the source runs with ``triton``
+    imported directly (its one changed line)."""
     from vllm.triton_utils import HAS_TRITON
 
     if HAS_TRITON:
@@ -300,19 +285,6 @@ def vllm_kernel():
         yield
 
 
-def count_attn_res(graph: torch.fx.Graph) -> int:
-    """``kimi::attn_res`` family calls (functionalized or not) in a post-grad graph."""
-    n = 0
-    for node in graph.nodes:
-        if node.op != "call_function":
-            continue
-        target = node.args[0] if "auto_functionalized" in str(node.target) else node.target
-        name = str(getattr(target, "_name", target))
-        if name.startswith("kimi::attn_res"):
-            n += 1
-    return n
-
-
 # ------------------------------------------------ the eager route (k3_eager), as vLLM runs K3
 
 def kimi_own(*args, quant_dtype=None, **kwargs):
@@ -328,10 +300,11 @@ def kimi_own(*args, quant_dtype=None, **kwargs):
 
 
 def vllm_amd_attn_res():
-    """vLLM's ROCm ``attn_res`` from its installed source (interpreted), without quant."""
-    from fp8_helpers import vllm_amd
+    """vLLM's ROCm ``attn_res`` from its installed source (interpreted where Triton does not
+    compile for a GPU), as the benchmarks load it (``kimi_passes.bench.vllm_peer``)."""
+    from kimi_passes.bench.vllm_peer import load_peer
 
-    return vllm_amd().attn_res
+    return load_peer("amd").attn_res
 
 
 @contextlib.contextmanager
