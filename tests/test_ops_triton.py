@@ -405,10 +405,10 @@ def test_wide_unaligned_rows_take_the_chunked_kernel():
 
 
 def _vllm_peer():
-    """vLLM's NVIDIA K3 kernel as the op benchmark loads it (``kimi_passes.bench.vllm_peer``:
+    """vLLM's NVIDIA K3 kernel as the op benchmark loads it (``kimi_passes.vllm.peer``:
     an installed vLLM or a prepared copy, never a copy in the repository); the test skips
     where there is neither."""
-    from kimi_passes.bench.vllm_peer import PeerError, load_peer
+    from kimi_passes.vllm.peer import PeerError, load_peer
 
     try:
         return load_peer("nvidia")

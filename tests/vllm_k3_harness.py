@@ -273,9 +273,9 @@ def aux_of(out) -> list[torch.Tensor]:
 
 def vllm_attn_res():
     """vLLM's NVIDIA ``attn_res``, its installed source unchanged, as the benchmarks load it
-    (``kimi_passes.bench.vllm_peer``: run with stand-ins for vLLM's imports, interpreted
+    (``kimi_passes.vllm.peer``: run with stand-ins for vLLM's imports, interpreted
     where Triton does not compile for a GPU)."""
-    from kimi_passes.bench.vllm_peer import load_peer
+    from kimi_passes.vllm.peer import load_peer
 
     return load_peer("nvidia").attn_res
 

@@ -9,7 +9,7 @@
 # The steps, their caps and the files under $OUT: tools/gpu_check.py (its --help), and
 # docs/testing.md, "On a GPU". This entry only sets the environment the prepared folder
 # needs: its pure-Python packages on PYTHONPATH (the GPU image lacks them) and the copy of
-# vLLM's K3 kernel as the op bench's peer (kimi_passes/bench/vllm_peer.py).
+# vLLM's K3 kernel as the op bench's peer (kimi_passes/vllm/peer.py).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prepare, on the CPU machine, the one folder a GPU check carries: .gpu_carry/ (git-ignored).
 #   vllm_k3/  vLLM's K3 AttnRes kernel files copied from the installed vLLM, byte for byte,
-#             with a MANIFEST.json (kimi_passes/bench/vllm_peer.py loads them there through
+#             with a MANIFEST.json (kimi_passes/vllm/peer.py loads them there through
 #             $KIMI_PASSES_VLLM_PEER); checked here: equal to the installed files and a tiny
 #             call within 1e-5 of the reference under the interpreter.
 #   site/     the pure-Python packages the GPU image lacks (expecttest, depyf and what depyf
@@ -28,9 +28,9 @@ wheels=$(mktemp -d)
 trap 'rm -rf "$wheels"' EXIT
 
 # vLLM's kernel files, from the installed vLLM, then loaded from the copy and checked.
-"$PYTHON" -m kimi_passes.bench.vllm_peer prepare "$CARRY/vllm_k3" \
+"$PYTHON" -m kimi_passes.vllm.peer prepare "$CARRY/vllm_k3" \
     || die "copying vLLM's K3 kernel failed (above); bash tools/install_vllm.sh installs vLLM"
-TRITON_INTERPRET=1 "$PYTHON" -m kimi_passes.bench.vllm_peer verify "$CARRY/vllm_k3" \
+TRITON_INTERPRET=1 "$PYTHON" -m kimi_passes.vllm.peer verify "$CARRY/vllm_k3" \
     || die "the prepared copy did not load or compute right (above); reinstall vLLM 0.33.0 \
 (bash tools/install_vllm.sh) and run this again"
 

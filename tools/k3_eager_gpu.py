@@ -4,7 +4,7 @@ vLLM is too large to carry to the lent GPU, so this drives a K3-shaped model the
 vLLM 0.33.0's NVIDIA ``KimiLinearModel.forward`` drives ``attn_res`` and
 ``_capture_aux_hidden_stream`` (pre-attention and pre-MLP mixing per layer, the block
 write, captures after layers, the output aggregation), with vLLM's own ``attn_res``
-loaded by ``kimi_passes.bench.vllm_peer`` (an installed vLLM, or ``.gpu_carry``).
+loaded by ``kimi_passes.vllm.peer`` (an installed vLLM, or ``.gpu_carry``).
 Stand-ins: attention and MLP are one tanh projection each. Three call sequences:
 
 - ``off``: vLLM's flag off (every call vLLM's; captures are ``prefix + pending``);
@@ -170,7 +170,7 @@ def main(argv=None) -> int:
         print(json.dumps({"skip": "no CUDA device (use --dry-run on CPU)"}))
         return 3
     try:
-        from kimi_passes.bench.vllm_peer import load_peer
+        from kimi_passes.vllm.peer import load_peer
 
         peer = load_peer("nvidia")
     except Exception as e:  # noqa: BLE001  (any loading failure is this step's skip)

@@ -257,12 +257,12 @@ def _hip_usage(kernel, variant: str) -> dict:
 
 def vllm_amd_module():
     """vLLM's AMD K3 kernel module (``_attn_res_kernel`` and its launcher ``attn_res``), as
-    ``kimi_passes.bench.vllm_peer.load_peer("amd")`` loads it (an installed vLLM or a
+    ``kimi_passes.vllm.peer.load_peer("amd")`` loads it (an installed vLLM or a
     prepared copy; its file unchanged, run with stand-ins for vLLM's imports on a machine
     whose Triton does not compile for a GPU), in the mode triton was imported in (compiled
     here; the interpreter in tests). Its ``get_fp8_min_max`` gives this platform's bound,
     or the module's ``QUANT_MAX`` where a caller set one (tests emulating an fnuz platform)."""
-    from kimi_passes.bench.vllm_peer import PeerError, load_peer
+    from kimi_passes.vllm.peer import PeerError, load_peer
 
     try:
         return load_peer("amd").module
