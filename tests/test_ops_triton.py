@@ -339,6 +339,7 @@ def test_mode_is_fixed_when_triton_is_imported(monkeypatch):
     _close(out, out_ref, torch.float32)
 
 
+@pytest.mark.gpu_check("wide")
 @pytest.mark.skipif(not torch.cuda.is_available() or tk.INTERPRETED,
                     reason="needs a CUDA device and the compiled kernel (TRITON_INTERPRET=0)")
 @pytest.mark.parametrize("dtype", DTYPES, ids=_dt)
