@@ -2,8 +2,9 @@
 
 ``summary(doc)`` turns results.json's document into the text summary (the steps, their
 reasons, MISS then MET rows, failed tests, other rows, what a dry run faked).
-``junit_suites`` gives a step's JUnit suites: pytest's file per shard, or one made from
-the ``-v`` lines where pytest was killed before writing it. ``fill_benchmarks(doc)``
+``emit(row)`` prints a step's MET / MISS row as the runner reads it. ``junit_suites``
+gives a step's JUnit suites: pytest's file per shard, or one made from the ``-v`` lines
+where pytest was killed before writing it. ``fill_benchmarks(doc)``
 prints BENCHMARKS.md's four CUDA tables from a results.json
 (``python -m tools.gpu fill-benchmarks results.json``).
 """
@@ -14,6 +15,21 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 BAD_TESTS = ("FAILED", "ERROR", "TIMEOUT", "UNFINISHED")
+
+def emit(row: dict) -> dict:
+    """A step's row (``kimi_passes.bench.harness.verdict``'s record) printed as one line the
+    runner reads: MET or MISS first, the candidate, T, error against tolerance, time, the
+    ratio and a MISS's reason. Returns ``row``."""
+    err = "-" if row.get("err") is None else f"{row['err']:.3g}"
+    line = (f"{row['verdict']:>4} {row['candidate']} T={row['T']}: error {err} "
+            f"(tolerance {row['tol']:.3g})")
+    if row.get("time") is not None:
+        line += f", {row['time'] * 1e6:.1f} us"
+    if row.get("ratio") is not None:
+        line += f", ratio {row['ratio']:.2f}"
+    print(line + (f": {row['reason']}" if row.get("reason") else ""), flush=True)
+    return row
+
 
 def summary(doc: dict) -> str:
     lines = [f"{doc['check']}: {doc['mode']}, started {doc['started']}, commit "

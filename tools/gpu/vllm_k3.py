@@ -1,43 +1,46 @@
 """vLLM's own Kimi K3 forward on a GPU: vLLM's attn_res (flag off, flag on) vs the kimi pass.
 
-Runs the installed vLLM K3 NVIDIA forward code (tests/vllm_k3_harness.py: the same code
-objects and stand-ins as tests/test_vllm_k3.py) at K3's width, and reports, per token
-count, every row's worst aux-state error against vLLM's own flag-on eager output and its
-time per forward (CUDA events, the rows interleaved round by round, median of rounds):
+Runs the installed vLLM K3 NVIDIA forward code (``kimi_passes.graphs.vllm_k3``: vLLM's
+model classes with stand-in attention and MLP) at K3's width and reports, per token
+count, one row per candidate: its worst aux-state ``rel_err`` against vLLM's own flag-on
+eager output at the bench's whole-model tolerance (``MODEL_TOL``), MET or MISS, and its
+time per forward (the bench's ``Timer``: CUDA events on CUDA, rounds interleaved):
 
-- ``vllm off``: vLLM's own ``attn_res`` (its Triton kernel; its ``torch.ops._C
-  .kimi_k3_attn_res`` where vLLM takes it: H=7168 on SM100 with vLLM's extension built),
-  eager, ``VLLM_KIMI_K3_AUX_ATTN_RES_STREAM=0`` (the prefix stream: its error is the bug);
+- ``vllm off``: vLLM's ``attn_res``, eager, ``VLLM_KIMI_K3_AUX_ATTN_RES_STREAM=0`` (the
+  prefix stream). Its captures are the bug: MET when its error is over the tolerance
+  (the comparison sees the bug), MISS when it matches flag on;
 - ``vllm on``: the same with the flag on (a second mixing call per capture);
-- ``vllm on, compiled``: that, compiled by plain Inductor (Dynamo traces vLLM's launch);
-- ``kimi pass``: the route users get (``kimi_passes.vllm.k3_route``: ``kimi::attn_res``), flag
-  off, compiled with ``kimi_backend`` (attn_res stream): one dynamic compile for every T.
+- ``vllm on, compiled``: that, compiled by plain Inductor (CUDA only: Dynamo traces
+  vLLM's launch only where Triton compiles it);
+- ``kimi pass``: the route users get (``kimi_passes.vllm.k3_route``), flag off, compiled
+  with ``kimi_backend`` (attn_res stream): one dynamic compile for every T.
+  The compiled rows are judged against flag on compiled by plain Inductor (kimi ops).
 
 First, on CUDA: vLLM's own ``attn_res`` left unrouted and compiled with ``kimi_backend``
-is refused under the attn_res stream and runs under the prefix stream.
-
-Without vLLM it is a skip: it prints why as ``{"skip": ...}`` (also into ``--json``) and exits
-3 (tools/gpu_check.py's convention); a row that fails exits 1. ``python tools/vllm_k3_gpu.py
---device cpu --hidden 64 --T 4 --rounds 1`` runs it here (vLLM's kernel interpreted: slow;
-no ``vllm on, compiled`` row: Dynamo traces vLLM's launch only where Triton compiles it).
+is refused under the attn_res stream and runs under the prefix stream (a MET/MISS row).
+Without vLLM it is a skip: ``{"skip": ...}`` printed (and in ``--json``), exit 3; a MISS
+exits 1. ``python -m tools.gpu.vllm_k3 --device cpu --hidden 64 --T 4 --rounds 1`` runs
+it on CPU (vLLM's kernel interpreted).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import json
+import math
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
+from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
+from tools.gpu.report import emit
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m tools.gpu.vllm_k3",
+                                description=(__doc__ or "").splitlines()[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--layers", type=int, default=6)
@@ -45,142 +48,185 @@ def main(argv=None) -> int:
     p.add_argument("--T", type=int, nargs="+", default=[1, 8, 256])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--reps", type=int, default=10, help="forwards per timed round")
+    p.add_argument("--reps", type=int, default=10, help="CUDA: forwards per timed sample")
     p.add_argument("--json", help="write the rows here")
-    args = p.parse_args(argv)
-    if importlib.util.find_spec("vllm") is None:
-        return skip("vLLM is not installed here (the rows run vLLM's installed K3 code: "
-                    "bash tools/install_vllm.sh where a registry is reachable)", args.json)
-    if args.device == "cpu":
-        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    sys.path.insert(0, str(ROOT / "tests"))
-    import torch
-    import torch.fx.experimental._config as fx_config
-    import vllm_k3_harness as h  # type: ignore[import-not-found]
+    return p.parse_args(argv)
 
-    import kimi_passes
-    import kimi_passes.vllm.k3_route as route
 
-    dtype = getattr(torch, args.dtype)
-    spec = h.Spec(num_layers=args.layers, hidden=args.hidden, block_size=args.block_size,
-                  inner=args.hidden)
-    ids_of = {T: h.token_ids(spec, T).to(args.device) for T in args.T}
-    capture = sorted({0, args.block_size, args.block_size + 1, args.layers - 1, args.layers})
-    w = h.weights(spec, dtype, args.device)
-    nvidia, _ = h.vllm_modules()
-    own = h.own_attn_res()
-    native = hasattr(torch.ops._C, "kimi_k3_attn_res")
-    print(f"vLLM's attn_res: {own.__module__}; torch.ops._C.kimi_k3_attn_res "
-          f"{'present' if native else 'absent'} (vLLM takes it at H=7168 on SM100 only)")
+class Forwards:
+    """vLLM's K3 model built from one set of weights, and one forward of it per kind:
+    ``"vllm"`` (vLLM's own ``attn_res``) or ``"kimi"`` (routed to ``kimi::attn_res``)."""
 
-    def model(on):
-        with h.flag(on):
-            return h.build(spec, w, capture).to(args.device)
+    def __init__(self, args: argparse.Namespace):
+        import torch
 
-    def forward(m, on, T, kernel):
+        self.h: Any = importlib.import_module("kimi_passes.graphs.vllm_k3")
+        h, self.device = self.h, args.device
+        self.spec = h.Spec(num_layers=args.layers, hidden=args.hidden,
+                           block_size=args.block_size, inner=args.hidden)
+        self.ids = {T: h.token_ids(self.spec, T).to(args.device) for T in args.T}
+        self.capture = sorted({0, args.block_size, args.block_size + 1, args.layers - 1,
+                               args.layers})
+        self.w = h.weights(self.spec, getattr(torch, args.dtype), args.device)
+
+    def model(self, on: bool):
+        with self.h.flag(on):
+            return self.h.build(self.spec, self.w, self.capture).to(self.device)
+
+    def __call__(self, m, on: bool, T: int, kernel: str):
+        import torch.fx.experimental._config as fx_config
+
+        import kimi_passes.vllm.k3_route as route
+
+        h = self.h
         with h.flag(on), fx_config.patch(  # type: ignore[attr-defined]
                 backed_size_oblivious=True):
             if kernel == "vllm":
                 with h.vllm_kernel():
-                    return h.call(m, ids_of[T], dynamic=True)
+                    return h.call(m, self.ids[T], dynamic=True)
             route.route_attn_res()
             try:
-                return h.call(m, ids_of[T], dynamic=True)
+                return h.call(m, self.ids[T], dynamic=True)
             finally:
                 route.unroute_attn_res()
 
-    truth = {T: h.aux_of(forward(model(True), True, T, "vllm")) for T in args.T}
-    failed: list[dict] = []
-    if args.device == "cuda":  # Dynamo traces vLLM's Triton launch only where it is compiled
-        failed += unrouted_check(model, forward, args.T[0])
+
+COMPILED = ("vllm on, compiled", "kimi pass")  # judged against the compiled reference
+
+
+def candidates(fw: Forwards, device: str) -> dict[str, tuple[Any, bool, str]]:
+    """Each row's (model, flag, kernel), and ``reference``: flag on, routed to the kimi ops,
+    compiled by plain Inductor (the compiled rows' truth: the same compile's rounding, so
+    their error is what the kernel or the pass changes, not Inductor's fp32 intermediates)."""
+    import torch
+
+    import kimi_passes
+    import kimi_passes.vllm.k3_route as route
+
     torch._dynamo.reset()
     os.environ[route.ENV_VAR] = "attn_res"
-    ours = torch.compile(model(False), backend=kimi_passes.make_kimi_backend("attn_res"),
-                         fullgraph=True)
-    rows = {"vllm off": (model(False), False, "vllm"), "vllm on": (model(True), True, "vllm")}
-    if args.device == "cuda":  # on CPU Dynamo cannot trace the interpreted launch
+    rows = {"vllm off": (fw.model(False), False, "vllm"),
+            "vllm on": (fw.model(True), True, "vllm")}
+    if device == "cuda":  # on CPU Dynamo cannot trace the interpreted launch
         rows["vllm on, compiled"] = (
-            torch.compile(model(True), backend="inductor", fullgraph=True), True, "vllm")
-    rows["kimi pass"] = (ours, False, "kimi")
-    results: list[dict] = []
-    for T in args.T:
-        times: dict[str, list[float]] = {name: [] for name in rows}
-        errors = {}
-        for name, (m, on, kernel) in list(rows.items()):  # first call: compile, values
-            t0 = time.perf_counter()
-            try:
-                got = h.aux_of(forward(m, on, T, kernel))
-            except Exception as e:  # a row that cannot run here is reported, then dropped
-                print(f"T={T} {name}: FAILED, row dropped: {type(e).__name__}: "
-                      f"{str(e).splitlines()[0][:300]}")
-                del rows[name], times[name]
-                failed.append({"T": T, "row": name, "error": f"{type(e).__name__}: {e}"})
-                continue
-            first = time.perf_counter() - t0
-            errors[name] = max(float((g.float() - t.float()).abs().max())
-                               for g, t in zip(got, truth[T], strict=True))
-            print(f"T={T} {name}: first call {first:.1f}s, worst aux error {errors[name]:.3g}")
-        for _ in range(args.rounds):  # interleaved rounds
-            for name, (m, on, kernel) in rows.items():
-                sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-                sync()
-                t0 = time.perf_counter()
-                for _ in range(args.reps):
-                    forward(m, on, T, kernel)
-                sync()
-                times[name].append((time.perf_counter() - t0) / args.reps * 1e3)
-        base = statistics.median(times["vllm on"]) if "vllm on" in times else float("nan")
-        for name in rows:
-            ms = statistics.median(times[name])
-            results.append({"T": T, "row": name, "ms": ms, "vs_vllm_on": ms / base,
-                            "worst_aux_error": errors[name]})
-            print(f"T={T:5d}  {name:18s} {ms:8.3f} ms  x{ms / base:5.2f} of vllm on  "
-                  f"aux error {errors[name]:.3g}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"rows": results, "failed": failed}, indent=1))
-    return 1 if failed else 0
+            torch.compile(fw.model(True), backend="inductor", fullgraph=True), True, "vllm")
+    rows["kimi pass"] = (torch.compile(fw.model(False), fullgraph=True,
+                                       backend=kimi_passes.make_kimi_backend("attn_res")),
+                         False, "kimi")
+    rows["reference"] = (torch.compile(fw.model(True), backend="inductor", fullgraph=True),
+                         True, "kimi")
+    return rows
+
+
+def judge(name: str, T: int, err: float, tol: float, time: float, ratio) -> dict:
+    """A row's verdict; ``vllm off`` is the bug the route fixes: MET when the comparison
+    sees it (its error over the tolerance)."""
+    from kimi_passes.bench.harness import verdict
+
+    if name != "vllm off":
+        return verdict(name, T, time, ratio, err, tol)
+    why = None if err > tol else (f"error {err:.3g} <= {tol:.3g}: flag off matched flag on, "
+                                  "so the check cannot see the prefix stream's wrong "
+                                  "captures (check the capture ids)")
+    return verdict(f"vllm off (the bug: error over {tol:.3g})", T, time, ratio, err,
+                   math.inf, why)
+
+
+def rows_at(fw: Forwards, rows: dict, T: int, args: argparse.Namespace) -> list[dict]:
+    """One row per candidate at ``T``: its error against flag-on eager (the compiled rows:
+    against ``reference``), its time."""
+    import torch
+
+    from kimi_passes.bench.harness import MODEL_TOL, Timer, failure, rel_err, summary, verdict
+
+    tol = MODEL_TOL[getattr(torch, args.dtype)]
+    got, out = {}, []
+    for name, (m, on, kernel) in rows.items():  # first call: compiles; the values
+        try:
+            got[name] = fw.h.aux_of(fw(m, on, T, kernel))
+        except Exception as e:  # noqa: BLE001  (a row that cannot run is its MISS)
+            out.append(emit(verdict(name, T, None, None, None, tol, failure(e))))
+    if "vllm on" not in got or "reference" not in got:
+        return out  # no truth: the MISS rows above say why
+
+    def forward(name: str):
+        m, on, kernel = rows[name]
+        return lambda: fw(m, on, T, kernel)
+
+    timed = [n for n in got if n != "reference"]
+    clock = "cuda" if args.device == "cuda" else "wall"
+    times = Timer(args.rounds, clock, reps=args.reps, block_s=0.0, device=args.device).run(
+        {n: forward(n) for n in timed})
+    med = {n: summary(v)["median"] for n, v in times.items()}
+    for name in timed:
+        truth = got["reference" if name in COMPILED else "vllm on"]
+        err = max(rel_err(g, t) for g, t in zip(got[name], truth, strict=True))
+        out.append(emit(judge(name, T, err, tol, med[name], med[name] / med["vllm on"])))
+    return out
+
+
+def unrouted_check(fw: Forwards, T: int) -> list[dict]:
+    """vLLM's own ``attn_res`` left unrouted, compiled with ``kimi_backend``: the attn_res
+    stream must refuse it (``kimi_passes/taps/unrouted.py``), the prefix stream must
+    compile and run."""
+    import torch
+
+    import kimi_passes
+    from kimi_passes import AuxCaptureError
+    from kimi_passes.bench.harness import verdict
+
+    out = []
+    for stream in ("attn_res", "prefix"):
+        torch._dynamo.reset()
+        m = torch.compile(fw.model(False), backend=kimi_passes.make_kimi_backend(stream),
+                          fullgraph=True)
+        got: Exception | None = None
+        try:
+            fw(m, False, T, "vllm")
+        except Exception as e:  # noqa: BLE001  (judged below, not hidden)
+            got = e
+        refused = isinstance(got, AuxCaptureError)
+        ok = refused if stream == "attn_res" else got is None
+        seen = "refused" if refused else ("ran" if got is None else type(got).__name__)
+        detail = str(got).splitlines()[0][:300] if got is not None else ""
+        want = "a refusal" if stream == "attn_res" else "a run"
+        why = None if ok else f"{seen}, expected {want}: {detail}"
+        out.append(emit(verdict(f"unrouted vLLM attn_res, {stream} stream: {seen}", T, None,
+                                None, 0.0, 0.0, why)))
+    return out
 
 
 def skip(why: str, json_path: str | None) -> int:
-    """A skip as tools/gpu_check.py reads one: ``{"skip": why}`` printed (and in the JSON
+    """A skip as the GPU check reads one: ``{"skip": why}`` printed (and in the JSON
     file), exit 3."""
-    line = json.dumps({"skip": f"vllm_k3_gpu: {why}"})
+    line = json.dumps({"skip": f"vllm_k3: {why}"})
     print(line)
     if json_path:
         Path(json_path).write_text(line)
     return 3
 
 
-def unrouted_check(model, forward, T) -> list[dict]:
-    """vLLM's own ``attn_res`` left unrouted, compiled with ``kimi_backend``: the attn_res
-    stream must refuse it (``kimi_passes/taps/unrouted.py``: the Triton launch as Dynamo
-    records it, or ``_C::kimi_k3_attn_res``), the prefix stream must compile and run."""
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if importlib.util.find_spec("vllm") is None:
+        return skip("vLLM is not installed here (the rows run vLLM's installed K3 code: "
+                    "bash tools/install_vllm.sh where a registry is reachable)", args.json)
+    if args.device == "cpu":
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch
 
-    import kimi_passes
-    from kimi_passes import AuxCaptureError
-
-    failed = []
-    for stream in ("attn_res", "prefix"):
-        torch._dynamo.reset()
-        m = torch.compile(model(False), backend=kimi_passes.make_kimi_backend(stream),
-                          fullgraph=True)
-        got: Exception | None = None
-        try:
-            forward(m, False, T, "vllm")
-        except Exception as e:  # noqa: BLE001  (reported below, not hidden)
-            got = e
-        refused = isinstance(got, AuxCaptureError)
-        ok = refused if stream == "attn_res" else got is None
-        line = "refused" if refused else ("ran" if got is None else f"{type(got).__name__}")
-        detail = str(got).splitlines()[0][:300] if got is not None else ""
-        print(f"unrouted vLLM attn_res, {stream} stream: {line} "
-              f"({'as expected' if ok else 'UNEXPECTED'}) {detail}")
-        if not ok:
-            failed.append({"T": T, "row": f"unrouted, {stream} stream",
-                           "error": f"{line}: {detail}"})
-    return failed
+    fw = Forwards(args)
+    native = hasattr(torch.ops._C, "kimi_k3_attn_res")
+    print(f"vLLM's attn_res: {fw.h.own_attn_res().__module__}; torch.ops._C.kimi_k3_attn_res "
+          f"{'present' if native else 'absent'} (vLLM takes it at H=7168 on SM100 only)")
+    rows = unrouted_check(fw, args.T[0]) if args.device == "cuda" else []
+    found = candidates(fw, args.device)
+    for T in args.T:
+        rows += rows_at(fw, found, T, args)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows}, indent=1, default=str))
+    return 1 if any(r["verdict"] == "MISS" for r in rows) else 0
 
 
 if __name__ == "__main__":
