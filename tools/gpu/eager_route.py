@@ -1,23 +1,25 @@
 """The eager route (kimi_passes/vllm/k3_eager.py) on a GPU, without vLLM installed.
 
-vLLM is too large to carry to the lent GPU, so this drives a K3-shaped model the way
-vLLM 0.33.0's NVIDIA ``KimiLinearModel.forward`` drives ``attn_res`` and
-``_capture_aux_hidden_stream`` (pre-attention and pre-MLP mixing per layer, the block
-write, captures after layers, the output aggregation), with vLLM's own ``attn_res``
-loaded by ``kimi_passes.vllm.peer`` (an installed vLLM, or ``.gpu_carry``).
-Stand-ins: attention and MLP are one tanh projection each. Three call sequences:
+vLLM is too large to carry to the lent GPU, so this drives the project's reference K3
+(``kimi_passes.graphs.k3.K3Model``: its layers' AttnRes calls, block writes and taps in
+K3's order) with vLLM's own ``attn_res`` (``kimi_passes.vllm.peer``: an installed vLLM or
+``.gpu_carry``) as every mixing call, and reads each tap three ways:
 
-- ``off``: vLLM's flag off (every call vLLM's; captures are ``prefix + pending``);
-- ``on``: vLLM's flag on (a second, pure mixing call per capture);
-- ``route``: the eager route (consumers ``kimi::attn_res_capture``, the rest vLLM's).
+- ``off``: vLLM's flag off (every call vLLM's; a tap is ``prefix + pending``);
+- ``on``: vLLM's flag on (a tap is a second, pure mixing call);
+- ``route``: the eager route (``k3_route.vllm_attn_res``; a tap is
+  ``k3_eager.expect(norm_weight, prefix)``, filled by its consumer's
+  ``kimi::attn_res_capture``; every other call vLLM's).
 
-Checked: each route capture against vLLM's flag-on capture at that point (bf16 2e-2);
-under ``torch.cuda.graph``, the captured route replayed 5 times with new inputs equal to
-the eager route. Timed (CUDA graphs, CUDA events): route against off and on per T. Rows
-go to stdout and ``--json``; exit 1 on a MISS, 3 when vLLM's kernel is not available.
+Checked: each route capture against vLLM's flag-on capture at that point
+(``k3_eager.capture_call``, ``OP_TOL``); under ``torch.cuda.graph``, the captured route
+replayed 5 times with new inputs equal to the eager route. Timed (CUDA graphs, the
+bench's ``Timer``, CUDA events): route against off and on per T. Rows are MET / MISS
+lines (``tools.gpu.report.emit``) and ``--json``; exit 1 on a MISS, 3 when vLLM's kernel
+is not available.
 
-    python tools/k3_eager_gpu.py --json eager_route.json            # on the GPU
-    TRITON_INTERPRET=1 python tools/k3_eager_gpu.py --dry-run       # CPU, tiny, no graphs
+    python -m tools.gpu.eager_route --json eager_route.json            # on the GPU
+    TRITON_INTERPRET=1 python -m tools.gpu.eager_route --dry-run       # CPU, tiny, no graphs
 """
 
 from __future__ import annotations
@@ -28,133 +30,122 @@ import sys
 
 import torch
 
-from kimi_passes.bench.harness import OP_TOL, rel_err, summary, verdict
+from kimi_passes.bench.harness import OP_TOL, Timer, rel_err, summary, verdict
+from kimi_passes.graphs import K3Config, K3Model
 from kimi_passes.vllm import k3_eager, k3_route
+from tools.gpu.report import emit
+
+MODES = ("off", "on", "route")
 
 
-def weights(L, H, dtype, device, seed=0):
-    g = torch.Generator(device).manual_seed(seed)
-
-    def rand(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
-
-    def norm():
-        return (1 + 0.2 * torch.randn(H, generator=g, device=device)).to(dtype)
-
-    layers = [{"sa_norm": norm(), "sa_proj": rand(H), "in_norm": norm(), "mlp_norm": norm(),
-               "mlp_proj": rand(H), "post_norm": norm(), "attn": rand(H, H, scale=H ** -0.5),
-               "mlp": rand(H, H, scale=H ** -0.5)} for _ in range(L)]
-    return layers, {"norm": norm(), "proj": rand(H)}
+def serve_route(own) -> None:
+    """The route's state, set as vLLM's plugin sets it: vLLM's ``attn_res`` as the calls it
+    does not serve, the attn_res stream on (k3_route's and k3_eager's private state)."""
+    k3_route._own["nvidia"], k3_eager._stream[0] = own, "attn_res"
 
 
-def forward(x, layers, out, S, ids, mode, fn, eps=1e-6):
-    """vLLM's NVIDIA K3 forward's AttnRes calls and captures, as its code orders them."""
-    T, H = x.shape
-    NB = -(-len(layers) // S)
-    bank = x.new_empty(T, NB, H)
-    prefix, hidden, aux = x, None, ([x] if 0 in ids else [])
-    for i, w in enumerate(layers):
-        write = i % S == 0
-        nb = -(-i // S)
-        h = fn(prefix, hidden, bank, w["sa_norm"], w["sa_proj"], w["in_norm"], nb,
-               i // S if write else -1, eps, eps)
-        h = torch.tanh(h @ w["attn"])
-        prefix, delta = (h, None) if write else (prefix, h)
-        h = fn(prefix, delta, bank, w["mlp_norm"], w["mlp_proj"], w["post_norm"], nb + write,
-               -1, eps, eps)
-        hidden = torch.tanh(h @ w["mlp"])
-        if i + 1 in ids:
-            nxt = layers[i + 1] if i + 1 < len(layers) else None
-            norm = nxt["sa_norm"] if nxt else out["norm"]
-            proj = nxt["sa_proj"] if nxt else out["proj"]
-            num = -(-(i + 1) // S) if nxt else NB
-            if mode == "off":
-                aux.append(prefix + hidden)
-            elif mode == "on":
-                aux.append(fn(prefix + hidden, None, bank, norm, proj, None, num, -1, eps, 0.0))
-            else:
-                aux.append(k3_eager.expect(norm, prefix))
-    final = fn(prefix, hidden, bank, out["norm"], out["proj"], None, NB, -1, eps, 0.0)
-    return final, aux
+class Model:
+    """One ``K3Model`` whose mixing and taps follow ``mode`` (off, on, route)."""
+
+    def __init__(self, args: argparse.Namespace, own):
+        L, H = args.layers, args.hidden
+        self.cfg = K3Config(num_layers=L, hidden_size=H, attn_res_block_size=args.block,
+                            num_heads=max(1, H // 128), intermediate_size=max(128, H // 4),
+                            aux_layer_ids=tuple(sorted({*range(0, L + 1, 2), 3})),
+                            dtype=getattr(torch, args.dtype))
+        self.own, self.mode = own, "off"
+        with torch.device(args.device):  # the parameters drawn there
+            self.k3 = K3Model(self.cfg, mixing=self.mix, tap=self.tap)
+
+    def mix(self, *args):
+        return (k3_route.vllm_attn_res if self.mode == "route" else self.own)(*args)
+
+    def tap(self, k, prefix, pending, bank, norm_weight, qk_weight, num_blocks, eps):
+        if self.mode == "route":
+            return k3_eager.expect(norm_weight, prefix)
+        x = prefix if pending is None else prefix + pending
+        if self.mode == "off":
+            return x.clone()  # the layer's call updates prefix in place
+        return self.own(x, None, bank, norm_weight, qk_weight, None, num_blocks, -1, eps, 0.0)
+
+    def __call__(self, ids, mode: str):
+        self.mode = mode
+        return self.k3(ids)[1]
+
+
+def token_ids(model: Model, T: int, device) -> torch.Tensor:
+    return torch.randint(0, model.cfg.vocab_size, (T,), device=device)
+
+
+def capture_check(model: Model, ids, tol: float) -> float:
+    """The route's captures against vLLM's flag-on capture of each consumer call."""
+    refs: list[torch.Tensor] = []
+    claim = k3_eager.claim
+
+    def spy(a, kw):  # vLLM's flag-on capture, computed from the consumer's own call
+        buf = claim(a, kw)
+        if buf is not None:
+            refs.append(model.own(*k3_eager.capture_call(a, kw)))
+        return buf
+
+    k3_eager.claim = spy
+    try:
+        aux = model(ids.clone(), "route")
+    finally:
+        k3_eager.claim = claim
+    return max(rel_err(a, r) for a, r in zip(aux, refs, strict=True))
 
 
 def rows_for(args, own, source) -> list[dict]:
-    dev, dtype = args.device, getattr(torch, args.dtype)
-    layers, out = weights(args.layers, args.hidden, dtype, dev)
-    ids = tuple(sorted({*range(0, args.layers + 1, 2), 3}))  # 0, boundaries, mid-block, L
-    k3_route._own["nvidia"], k3_eager._stream[0] = own, "attn_res"
-    fns = {"off": own, "on": own, "route": k3_route.vllm_attn_res}
-    rows, tol = [], OP_TOL[dtype]
+    serve_route(own)
+    model = Model(args, own)
+    rows, tol = [], OP_TOL[model.cfg.dtype]
     for T in args.T:
-        x = torch.randn(T, args.hidden, device=dev, dtype=dtype)
-        refs: list[torch.Tensor] = []
-        claim = k3_eager.claim
-
-        def spy(a, kw, claim=claim, refs=refs):  # vLLM's flag-on capture, here
-            buf = claim(a, kw)
-            if buf is not None:
-                refs.append(own(*k3_eager.capture_call(a, kw)))
-            return buf
-
-        k3_eager.claim = spy
-        try:
-            _, aux = forward(x.clone(), layers, out, args.block, ids, "route", fns["route"])
-        finally:
-            k3_eager.claim = claim
-        err = max(rel_err(a, r) for a, r in zip(aux[1:], refs, strict=True))
-        rows.append(report({**verdict("route capture vs vLLM flag-on capture", T, None, None,
-                                      err, tol), "peer": source}))
-        if dev == "cuda" and not args.dry_run:
-            rows += graphs_and_time(x, layers, out, args, ids, fns, tol)
+        ids = token_ids(model, T, args.device)
+        err = capture_check(model, ids, tol)
+        rows.append(emit({**verdict("route capture vs vLLM flag-on capture", T, None, None,
+                                    err, tol), "peer": source}))
+        if args.device == "cuda" and not args.dry_run:
+            rows += graphs_and_time(model, ids, tol)
     return rows
 
 
-def report(row: dict) -> dict:
-    """``row`` printed as one JSON line (gpu_check reads MET / MISS off it)."""
-    print(json.dumps(row), flush=True)
-    return row
-
-
-def graphs_and_time(x, layers, out, args, ids, fns, tol) -> list[dict]:
-    """Each sequence captured in a CUDA graph; the route's replays with new inputs
-    checked against its eager values; replay time per sequence (CUDA events)."""
-    from kimi_passes.bench.harness import Timer
-
-    T, graphs, rows = x.shape[0], {}, []
-    for mode, fn in fns.items():
-        static = x.clone()
+def graphs_and_time(model: Model, ids, tol: float) -> list[dict]:
+    """Each mode captured in a CUDA graph; the route's replays with new inputs checked
+    against its eager values; replay time per mode (the bench's Timer, CUDA events)."""
+    T, graphs = ids.shape[0], {}
+    for mode in MODES:
+        static = ids.clone()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            forward(static.clone(), layers, out, args.block, ids, mode, fn)  # warm-up
+            model(static.clone(), mode)  # warm-up
         torch.cuda.current_stream().wait_stream(side)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            result = forward(static, layers, out, args.block, ids, mode, fn)
-        graphs[mode] = (g, static, result)
-    g, static, (_, aux) = graphs["route"]
+            aux = model(static, mode)
+        graphs[mode] = (g, static, aux)
+    g, static, aux = graphs["route"]
     err = 0.0
     for _ in range(5):
-        new = torch.randn_like(static)
+        new = token_ids(model, T, ids.device)
         static.copy_(new)
         g.replay()
-        _, want = forward(new.clone(), layers, out, args.block, ids, "route", fns["route"])
+        want = model(new.clone(), "route")
         torch.cuda.synchronize()
         err = max(err, *(rel_err(a, w) for a, w in zip(aux, want, strict=True)))
-    rows.append(report(verdict("route under CUDA graph, 5 replays vs eager", T, None, None,
-                               err, tol)))
     times = Timer(rounds=5, clock="cuda", device="cuda").run(
         {m: graphs[m][0].replay for m in graphs})
     med = {m: summary(v)["median"] for m, v in times.items()}
-    rows.append(report({"candidate": "step time, CUDA graph replay", "T": T,
-                        **{f"{m}_us": med[m] * 1e6 for m in med},
-                        "route_vs_off": med["route"] / med["off"],
-                        "route_vs_on": med["route"] / med["on"]}))
-    return rows
-
+    vs = {m: med["route"] / med[m] for m in ("off", "on")}
+    name = (f"route under CUDA graph, 5 replays vs eager (step time x{vs['off']:.2f} of flag "
+            f"off, x{vs['on']:.2f} of flag on)")
+    return [emit({**verdict(name, T, med["route"], vs["on"], err, tol),
+                  "time_s": med, "route_vs_off": vs["off"], "route_vs_on": vs["on"]})]
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.gpu.eager_route",
+                                description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--layers", type=int, default=6)
