@@ -1,7 +1,7 @@
 """FP8 quant comparisons against vLLM's AMD K3 kernel, shared by the tests that make them.
 
 vLLM's AMD K3 kernel (``vllm/models/kimi_k3/amd/ops/attn_res.py``) is loaded as the
-benchmarks and ``tools/kernel_build.py --vllm-peer`` load it (``vllm_amd``:
+benchmarks and ``python -m tools.kernel_build --vllm-peer`` load it (``vllm_amd``:
 ``kimi_passes.vllm.peer.load_peer("amd")``): its launcher ``attn_res`` takes the FP8
 bound from the module global ``QUANT_MAX`` a caller sets, where vLLM's reads its platform.
 Under the interpreter its fp32 -> bf16 / fp16 / fp8 conversions are not a GPU's (bf16

@@ -395,7 +395,7 @@ def test_chunked_kernel_propagates_nan(chunked):
 
 
 def test_wide_unaligned_rows_take_the_chunked_kernel():
-    # Rows the register file cannot hold without spilling (tools/kernel_build.py).
+    # Rows the register file cannot hold without spilling (tools/kernel_build).
     assert tk.launch_config(7168, torch.bfloat16)[0] is tk._KERNEL
     assert tk.launch_config(8192, torch.float32)[0] is tk._KERNEL
     assert tk.launch_config(8190, torch.bfloat16, aligned=False)[0] is tk.CHUNKED_KERNEL
