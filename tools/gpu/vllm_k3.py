@@ -4,7 +4,7 @@ Runs the installed vLLM K3 NVIDIA forward code (``kimi_passes.graphs.vllm_k3``: 
 model classes with stand-in attention and MLP) at K3's width and reports, per token
 count, one row per candidate: its worst aux-state ``rel_err`` against vLLM's own flag-on
 eager output at the bench's whole-model tolerance (``MODEL_TOL``), MET or MISS, and its
-time per forward (the bench's ``Timer``: CUDA events on CUDA, rounds interleaved):
+time per forward (the bench's ``Timer``: CUDA events; off CUDA, the compiled rows only):
 
 - ``vllm off``: vLLM's ``attn_res``, eager, ``VLLM_KIMI_K3_AUX_ATTN_RES_STREAM=0`` (the
   prefix stream). Its captures are the bug: MET when its error is over the tolerance
@@ -118,7 +118,7 @@ def candidates(fw: Forwards, device: str) -> dict[str, tuple[Any, bool, str]]:
     return rows
 
 
-def judge(name: str, T: int, err: float, tol: float, time: float, ratio) -> dict:
+def judge(name: str, T: int, err: float, tol: float, time: float | None, ratio) -> dict:
     """A row's verdict; ``vllm off`` is the bug the route fixes: MET when the comparison
     sees it (its error over the tolerance)."""
     from kimi_passes.bench.harness import verdict
@@ -153,15 +153,18 @@ def rows_at(fw: Forwards, rows: dict, T: int, args: argparse.Namespace) -> list[
         m, on, kernel = rows[name]
         return lambda: fw(m, on, T, kernel)
 
-    timed = [n for n in got if n != "reference"]
+    # Off CUDA vLLM's kernel runs interpreted: its rows get no time (no figure to read).
+    timed = [n for n in got if n != "reference" and (args.device == "cuda" or n in COMPILED)]
     clock = "cuda" if args.device == "cuda" else "wall"
     times = Timer(args.rounds, clock, reps=args.reps, block_s=0.0, device=args.device).run(
         {n: forward(n) for n in timed})
     med = {n: summary(v)["median"] for n, v in times.items()}
-    for name in timed:
+    for name in (n for n in got if n != "reference"):
         truth = got["reference" if name in COMPILED else "vllm on"]
         err = max(rel_err(g, t) for g, t in zip(got[name], truth, strict=True))
-        out.append(emit(judge(name, T, err, tol, med[name], med[name] / med["vllm on"])))
+        time, base = med.get(name), med.get("vllm on")
+        ratio = time / base if time is not None and base is not None else None
+        out.append(emit(judge(name, T, err, tol, time, ratio)))
     return out
 
 
