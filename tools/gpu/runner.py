@@ -33,7 +33,6 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 from queue import Empty, Queue
 from typing import Any
@@ -49,6 +48,7 @@ from tools.gpu.steps import (
     SKIP_RC,
     STEPS,
     Step,
+    select,
 )
 
 MET_RE = re.compile(r"(?<![A-Za-z])(MET|MISS)(?![A-Za-z])")
@@ -391,39 +391,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def select(a: argparse.Namespace) -> list[Step]:
-    steps = list(STEPS)
-    if a.steps_json:
-        steps = [_step_from(d) for d in json.loads(a.steps_json.read_text())]
-    names = [s.name for s in steps]
-    if a.only:
-        want = {n.strip() for n in a.only.split(",") if n.strip()}
-        bad = want - set(names)
-        if bad:
-            raise SystemExit(f"gpu_check: unknown step(s) {sorted(bad)}; the steps: {names}")
-        steps = [s for s in steps if s.name in want or s.stop_on_failure]
-    for c in a.cap:
-        name, _, sec = c.partition("=")
-        if name not in names or not sec.isdigit():
-            raise SystemExit(f"gpu_check: --cap {c!r}: give STEP=SECONDS, a step of {names}")
-        steps = [replace(s, cap_s=int(sec), dry_cap_s=0) if s.name == name else s
-                 for s in steps]
-    return steps
-
-
-def _step_from(d: dict[str, Any]) -> Step:
-    """A Step from JSON: lists become the tuples the dataclass holds."""
-    fields: dict[str, Any] = dict(d)
-    for k in ("cmds", "dry"):
-        if fields.get(k) is not None:
-            fields[k] = tuple(tuple(argv) for argv in fields[k])
-    fields["needs"] = tuple(fields.get("needs", ()))
-    return Step(**fields)
-
-
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(list(sys.argv[1:] if argv is None else argv))
-    steps = select(a)
+    steps = select(STEPS, a.steps_json, a.only, a.cap)
     out_dir = a.out or Path(os.environ.get("OUT") or ROOT / "bench_out" / "gpu_check")
     out_dir.mkdir(parents=True, exist_ok=True)
     budget = a.budget or float(os.environ.get("GPU_CHECK_BUDGET")

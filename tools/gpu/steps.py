@@ -5,13 +5,16 @@ scratch JSON (read back into results.json), ``{junit}`` a shard's JUnit file, ``
 the CPU count less two. The CUDA tests are those marked ``@pytest.mark.gpu_check(shard)``
 (pyproject.toml's marker, tests/gpu_marker.py's ``--gpu-shard``): each shard a process
 of its own, run side by side, over the test files that mark a test with that shard.
+``select`` picks a run's steps (``--only``, ``--cap``, ``--steps-json``).
 """
 
 from __future__ import annotations
 
+import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 SKIP_RC = 3
@@ -124,3 +127,37 @@ STEPS: tuple[Step, ...] = (
                    "{json}"),),
          dry_note="real offline builds, the 36 of bwd:dw", dry_env={"TRITON_INTERPRET": "0"}),
 )
+
+
+def select(steps: tuple[Step, ...], steps_json: Path | None, only: str | None,
+           caps: list[str]) -> list[Step]:
+    """The steps a run takes: ``steps`` (or those of ``steps_json``, a JSON list of Step
+    fields: tests), ``only`` those named (comma-separated; the ``stop_on_failure`` step
+    always), each ``STEP=SECONDS`` of ``caps`` its new cap."""
+    chosen = list(steps)
+    if steps_json:
+        chosen = [_step_from(d) for d in json.loads(steps_json.read_text())]
+    names = [s.name for s in chosen]
+    if only:
+        want = {n.strip() for n in only.split(",") if n.strip()}
+        bad = want - set(names)
+        if bad:
+            raise SystemExit(f"gpu_check: unknown step(s) {sorted(bad)}; the steps: {names}")
+        chosen = [s for s in chosen if s.name in want or s.stop_on_failure]
+    for c in caps:
+        name, _, sec = c.partition("=")
+        if name not in names or not sec.isdigit():
+            raise SystemExit(f"gpu_check: --cap {c!r}: give STEP=SECONDS, a step of {names}")
+        chosen = [replace(s, cap_s=int(sec), dry_cap_s=0) if s.name == name else s
+                  for s in chosen]
+    return chosen
+
+
+def _step_from(d: dict[str, Any]) -> Step:
+    """A Step from JSON: lists become the tuples the dataclass holds."""
+    fields: dict[str, Any] = dict(d)
+    for k in ("cmds", "dry"):
+        if fields.get(k) is not None:
+            fields[k] = tuple(tuple(argv) for argv in fields[k])
+    fields["needs"] = tuple(fields.get("needs", ()))
+    return Step(**fields)
