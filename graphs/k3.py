@@ -26,6 +26,7 @@ fuses. Parameters are seeded per layer from ``(config.seed, layer index)``, so l
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -119,19 +120,29 @@ def fp8_round_trip(y: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return (data.float() * scale).to(y.dtype)
 
 
-def attn_res(mixing: str, *args):
-    """``kimi::attn_res`` (``mixing="op"``) or its plain-torch statement (``"torch"``).
+#: A mixing: "op", "torch", or a callable with ``kimi::attn_res``'s signature and effects.
+Mixing = str | Callable[..., torch.Tensor]
+
+
+def attn_res(mixing: Mixing, *args):
+    """``kimi::attn_res`` (``mixing="op"``), its plain-torch statement (``"torch"``), or
+    ``mixing(*args)`` (a callable with the op's signature, e.g. vLLM's ``attn_res``).
 
     ``"op"`` goes through ``attn_res_differentiable``: the op itself unless a tensor
     requires grad (a trainable model), then the op's differentiable parts.
     """
+    if callable(mixing):
+        return mixing(*args)
     if mixing == "op":
         return attn_res_differentiable(*args)
     return attn_res_torch(*args)
 
 
-def attn_res_read(mixing: str, x, bank, norm_weight, qk_weight, num_blocks: int, eps: float):
+def attn_res_read(mixing: Mixing, x, bank, norm_weight, qk_weight, num_blocks: int,
+                  eps: float):
     """The pre-norm mixture a consumer reads, without its side effects (ground truth)."""
+    if callable(mixing):
+        return mixing(x, None, bank, norm_weight, qk_weight, None, num_blocks, -1, eps, eps)
     if mixing == "op":
         return torch.ops.kimi.attn_res_mix(x, bank, norm_weight, qk_weight, num_blocks, eps)
     return attn_res_torch(x, None, bank, norm_weight, qk_weight, None, num_blocks, -1, eps, eps)
@@ -178,7 +189,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: K3Config, layer_idx: int, mixing: str):
+    def __init__(self, cfg: K3Config, layer_idx: int, mixing: Mixing):
         super().__init__()
         H, eps = cfg.hidden_size, cfg.eps
         self.layer_idx, self.block_size, self.eps, self.mixing = (
@@ -214,11 +225,13 @@ class DecoderLayer(nn.Module):
 
 
 def _init_params(modules: dict[str, nn.Module], seed: int, tag: int, H: int) -> None:
-    """Deterministic init of one unit (embedding, a layer, the output head) from (seed, tag)."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + tag)
+    """Deterministic init of one unit (embedding, a layer, the output head) from (seed, tag),
+    drawn on the device the unit's parameters are on (CPU: the goldens' numbers)."""
+    device = next(nn.ModuleDict(modules).parameters()).device
+    g = torch.Generator(device).manual_seed(seed * 1_000_003 + tag)
     with torch.no_grad():
         for name, p in nn.ModuleDict(modules).named_parameters():
-            r = torch.randn(p.shape, generator=g)
+            r = torch.randn(p.shape, generator=g, device=device)
             if name.endswith("res_proj.weight"):
                 # Non-zero pseudo-queries: logits of std ~2, so mixtures are far from uniform.
                 r = r * (2.0 / math.sqrt(H))
@@ -242,20 +255,27 @@ class K3Model(nn.Module):
     ``ground_truth(...)`` is the same run with each tap computed model-side as the
     consumer's pre-norm mixture, like vLLM's fix. ``trainable=True`` leaves the
     parameters requiring grad (default: frozen, an inference model).
+
+    ``mixing``: ``"op"``, ``"torch"`` or a callable with ``kimi::attn_res``'s signature
+    that every AttnRes call goes through. ``tap``: how ``forward`` reads tap ``k``, called
+    as ``tap(k, prefix, pending, bank, norm_weight, qk_weight, num_blocks, eps)`` right
+    before its consumer's call (default: ``aux_tap(prefix + pending, k)``). Built under
+    ``torch.device(...)``, the parameters are drawn there.
     """
 
     def __init__(self, config: K3Config, start_layer: int = 0, end_layer: int | None = None,
-                 mixing: str = "op", capture_ids: tuple[int, ...] | None = None,
-                 trainable: bool = False):
+                 mixing: Mixing = "op", capture_ids: tuple[int, ...] | None = None,
+                 trainable: bool = False, tap: Callable[..., torch.Tensor] | None = None):
         super().__init__()
         L = config.num_layers
         end_layer = L if end_layer is None else end_layer
         if not 0 <= start_layer < end_layer <= L:
             raise ValueError(f"K3Model: stage layers [{start_layer}, {end_layer}) must be a "
                              f"non-empty range inside [0, {L})")
-        if mixing not in ("op", "torch"):
-            raise ValueError(f"K3Model: mixing={mixing!r} must be 'op' or 'torch'")
-        self.config, self.mixing = config, mixing
+        if not callable(mixing) and mixing not in ("op", "torch"):
+            raise ValueError(f"K3Model: mixing={mixing!r} must be 'op', 'torch' or a callable "
+                             "with kimi::attn_res's signature")
+        self.config, self.mixing, self.tap = config, mixing, tap
         self.start, self.end = start_layer, end_layer
         self.is_first, self.is_last = start_layer == 0, end_layer == L
         self.bank_slots = cdiv(L, config.attn_res_block_size)  # NB, the same on every stage
@@ -347,6 +367,9 @@ class K3Model(nn.Module):
 
     def _tap(self, k, prefix, pending, bank, res_norm, res_proj, num_blocks, stream):
         """Tap ``k``, read before its consumer ``attn_res(prefix, pending, bank, ...)``."""
+        if stream == "prefix" and self.tap is not None:
+            return self.tap(k, prefix, pending, bank, res_norm.weight, res_proj.weight.view(-1),
+                            num_blocks, self.config.eps)
         x = prefix if pending is None else prefix + pending
         if stream == "attn_res":
             return attn_res_read(self.mixing, x, bank, res_norm.weight, res_proj.weight.view(-1),

@@ -16,7 +16,7 @@ modules hold: the route users get (``kimi_passes.vllm.k3_route``), vLLM's own ke
 Imports vLLM when called, not when imported (``kimi_passes.graphs`` does not import it).
 The caller picks vLLM's platform: on a machine without a GPU, ``VLLM_TARGET_DEVICE=cpu``
 and ``TRITON_INTERPRET=1`` before vLLM is first imported. Used by the vLLM K3 tests
-(tests/test_vllm_k3*.py) and the GPU tool (tools/vllm_k3_gpu.py); docs/testing.md says
+(tests/test_vllm_k3*.py) and the GPU tool (tools/gpu/vllm_k3.py); docs/testing.md says
 what each stand-in replaces and why.
 """
 
@@ -256,9 +256,9 @@ def aux_of(out) -> list[torch.Tensor]:
 
 def vllm_attn_res():
     """vLLM's NVIDIA ``attn_res``, its installed source unchanged, as the benchmarks load it
-    (``kimi_passes.bench.vllm_peer``: run with stand-ins for vLLM's imports, interpreted
+    (``kimi_passes.vllm.peer``: run with stand-ins for vLLM's imports, interpreted
     where Triton does not compile for a GPU)."""
-    from kimi_passes.bench.vllm_peer import load_peer
+    from kimi_passes.vllm.peer import load_peer
 
     return load_peer("nvidia").attn_res
 
@@ -301,8 +301,8 @@ def kimi_own(*args, quant_dtype=None, **kwargs):
 
 def vllm_amd_attn_res():
     """vLLM's ROCm ``attn_res`` from its installed source (interpreted where Triton does not
-    compile for a GPU), as the benchmarks load it (``kimi_passes.bench.vllm_peer``)."""
-    from kimi_passes.bench.vllm_peer import load_peer
+    compile for a GPU), as the benchmarks load it (``kimi_passes.vllm.peer``)."""
+    from kimi_passes.vllm.peer import load_peer
 
     return load_peer("amd").attn_res
 

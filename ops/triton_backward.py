@@ -13,7 +13,7 @@ reads each source twice:
 The program's ``dw`` row goes to a ``[G, H]`` fp32 buffer that torch sums over ``G``:
 deterministic, no atomics (``G = T`` with no weight gradient). Slots ``>= num_blocks`` of
 ``dblocks`` are zero-filled by torch. Rows too wide for registers (``launch_config``;
-``tools/kernel_build.py`` finds where the row kernel would spill) run
+``tools/kernel_build`` finds where the row kernel would spill) run
 ``_mix_bwd_chunked_kernel``: the same two passes over ``CHUNK``-wide pieces, the
 per-source scalars in ``[BLOCK_S]`` register vectors (an exact softmax, not online).
 
@@ -239,7 +239,7 @@ _KERNEL = jit(_mix_bwd_kernel)
 CHUNKED_KERNEL = jit(_mix_bwd_chunked_kernel)
 
 
-# Warps of the row kernel by BLOCK_H, chosen on the offline build (tools/kernel_build.py,
+# Warps of the row kernel by BLOCK_H, chosen on the offline build (tools/kernel_build,
 # every gradient set, dtype and target): the row kernel keeps g, w and the dw accumulator
 # live next to a source row, more than the forward, and the forward's 16 elements a thread
 # spill at 2048 and 4096. 8 elements a thread up to 2048; 4 at 4096 (16 warps spill 16 B

@@ -1,7 +1,7 @@
 """Chunked Triton kernel of the AttnRes op family, for rows too wide to keep in registers.
 
 The row kernel (``ops/triton_kernels.py``) holds a whole row of each source in registers;
-the offline build (``tools/kernel_build.py``) shows that to fit without spills only up to
+the offline build (``tools/kernel_build``) shows that to fit without spills only up to
 ``BLOCK_H = 8192`` when the rows are 16-byte aligned (vector loads) and up to 4096 when they
 are not (one address per element). Wider rows run this kernel instead, which loops over the
 row in ``CHUNK``-wide pieces and keeps only a chunk live:

@@ -14,7 +14,7 @@ prefix bit for bit; the slot the block write just filled is taken from registers
 read back. Loads run ``PREFETCH`` sources ahead (3 for 16-bit rows, 2 for fp32). ``H`` is
 arbitrary (masked lanes, means over the true ``H``); the hidden dimension must be
 unit-stride (checked, never silently copied). Register use and spills at each width are
-what ``tools/kernel_build.py`` measures (``MAX_ROW_ALIGNED`` / ``MAX_ROW_UNALIGNED``).
+what ``tools/kernel_build`` measures (``MAX_ROW_ALIGNED`` / ``MAX_ROW_UNALIGNED``).
 
 Modes (``triton_mode.py``): the kernels are built in the mode triton.language was
 imported in; with the interpreter they run on CPU tensors, compiled on GPU tensors only.
@@ -197,14 +197,14 @@ _KERNEL = jit(_attn_res_kernel)
 def _num_warps(block_h: int) -> int:
     """16 elements per thread (4 warps at least, 32 at most).
 
-    Registers and spills at this setting are what tools/kernel_build.py measures; a
+    Registers and spills at this setting are what tools/kernel_build measures; a
     BLOCK_H = 8192 program (16 warps, 512 threads) has at most 128 registers a thread.
     """
     return min(32, max(4, block_h // 512))
 
 
 # Widest BLOCK_H the row kernel holds in registers without spilling, by the offline build
-# (tools/kernel_build.py): 16-byte-aligned rows load in 16-byte vectors; other rows need an
+# (tools/kernel_build): 16-byte-aligned rows load in 16-byte vectors; other rows need an
 # address and a predicate per element. Wider rows run the chunked kernel.
 MAX_ROW_ALIGNED = 8192
 MAX_ROW_UNALIGNED = 4096
@@ -235,7 +235,7 @@ def launch_config(H: int, dtype: torch.dtype, aligned: bool = True, slots: int =
     if block_h > (MAX_ROW_ALIGNED if aligned else MAX_ROW_UNALIGNED):
         return CHUNKED_KERNEL, dict(CHUNK=CHUNK, BLOCK_S=triton.next_power_of_2(slots + 1),
                                     num_warps=_num_warps(CHUNK))
-    # 16-bit sources: three rows in flight (bytes in flight per SM, see tools/kernel_build.py);
+    # 16-bit sources: three rows in flight (bytes in flight per SM, see tools/kernel_build);
     # fp32 rows are twice as wide in bytes and in registers: two.
     prefetch = 3 if aligned and dtype.itemsize == 2 else 2
     return _KERNEL, dict(BLOCK_H=block_h, PREFETCH=prefetch, num_warps=_num_warps(block_h))

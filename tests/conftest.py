@@ -147,3 +147,7 @@ def pytest_xdist_make_scheduler(config, log):
             return VLLM_MODULE if "vllm" in test else nodeid
 
     return SharedSetupScheduling(config, log)
+
+
+# The GPU check selects its CUDA tests by shard (tests/helpers/gpu_marker.py).
+pytest_plugins = ("helpers.gpu_marker",)

@@ -1,8 +1,8 @@
 """CUDA checks: the kimi ops dispatch to the Triton kernel on CUDA, and kimi_backend
 compiles the tiny K3 on CUDA with taps equal to the ground truth.
 
-Every test is skipped without CUDA (``tools/gpu_check.sh`` runs them on a lent GPU:
-``pytest tests -k cuda``). Written for torch >= 2.11 and triton >= 3.6.
+Every test is skipped without CUDA (``tools/gpu_check.sh`` runs them on a lent GPU, by
+their ``gpu_check`` shard mark). Written for torch >= 2.11 and triton >= 3.6.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ def close(actual, expected, dtype):
     torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.gpu_check("ops")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_attn_res_matches_reference(case, dtype):
@@ -77,6 +78,7 @@ def _check_capture(args, dtype):
     return out, mixed
 
 
+@pytest.mark.gpu_check("ops")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_capture_and_mix_match_reference(case, dtype):
@@ -90,6 +92,7 @@ def test_capture_and_mix_match_reference(case, dtype):
     close(pure, expected, dtype)
 
 
+@pytest.mark.gpu_check("ops")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_cuda_dispatches_to_triton(dtype):
     """The registered CUDA kernel is the Triton kernel: bit-identical results."""
@@ -105,6 +108,7 @@ def test_cuda_dispatches_to_triton(dtype):
                        attn_res_mix_triton(prefix, blocks, nw, qk, 4, EPS))
 
 
+@pytest.mark.gpu_check("quant")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("T", [1, 8, 64, 65])
 def test_decode_route_at_k3_shapes(T, dtype):
@@ -133,6 +137,7 @@ def test_decode_route_at_k3_shapes(T, dtype):
         close(got["auto"][1], got["row"][1], dtype)
 
 
+@pytest.mark.gpu_check("ops")
 def test_strided_bank_view():
     """A bank that is a view with a padded row stride reads the right sources."""
     dtype = torch.bfloat16
@@ -145,6 +150,7 @@ def test_strided_bank_view():
     close(OPS.attn_res(*a), attn_res_reference(*clone_args(args)), dtype)
 
 
+@pytest.mark.gpu_check("ops")
 @pytest.mark.parametrize("case", [CASES[1], CASES[3], (6, 100, 9, 8, 8, True, True)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_opcheck_cuda(case, dtype):
@@ -155,6 +161,7 @@ def test_opcheck_cuda(case, dtype):
     opcheck(OPS.attn_res_mix.default, mix_args(clone_args(args)))
 
 
+@pytest.mark.gpu_check("compiled")
 @pytest.mark.parametrize("stream,fuse", [("attn_res", True), ("attn_res", False),
                                          ("prefix", True)])
 def test_k3_tiny_compiled_on_cuda(stream, fuse, monkeypatch):
@@ -188,6 +195,7 @@ def test_k3_tiny_compiled_on_cuda(stream, fuse, monkeypatch):
         assert hows == ({"fused"} if fuse else {"separate attn_res_mix read"})
 
 
+@pytest.mark.gpu_check("graphs")
 def test_k3_tiny_cuda_graphs_replay_with_new_inputs(monkeypatch):
     """kimi_backend under ``mode="reduce-overhead"`` (CUDA graphs): several replays with
     new inputs of one shape, each tap equal to the ground truth of its inputs.
@@ -220,6 +228,7 @@ def test_k3_tiny_cuda_graphs_replay_with_new_inputs(monkeypatch):
     assert len(backend.aux_pass.last_rewrites) == len(cfg.aux_layer_ids)
 
 
+@pytest.mark.gpu_check("quant")
 @pytest.mark.vllm
 @pytest.mark.parametrize("ub", [None, 0.5])
 def test_vllm_c_per_token_quant_is_the_op_with_divide_values_cuda(ub):
@@ -244,6 +253,7 @@ def test_vllm_c_per_token_quant_is_the_op_with_divide_values_cuda(ub):
     assert torch.equal(data.view(torch.uint8), want.view(torch.uint8))
 
 
+@pytest.mark.gpu_check("quant")
 @pytest.mark.parametrize("route", ["row", "decode"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=str)
@@ -320,6 +330,7 @@ def _check_mix_forward_backward(T, H, NB, nb, dtype, seed):
     assert not got[1][:, nb:].any()  # slots the mixture does not read get zero
 
 
+@pytest.mark.gpu_check("wide")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("T", [8, 96])
 def test_mix_forward_and_backward_at_k3_width_cuda(T, dtype):
@@ -332,6 +343,7 @@ def test_mix_forward_and_backward_at_k3_width_cuda(T, dtype):
     _check_mix_forward_backward(T, 7168, 9, 8, dtype, seed=T)
 
 
+@pytest.mark.gpu_check("wide")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_chunked_kernels_above_8192_cuda(dtype):
     """H=10240 (aligned; next_power_of_2 = 16384 > 8192): the chunked forward (attn_res with

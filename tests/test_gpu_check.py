@@ -1,10 +1,11 @@
-"""tools/gpu_check.py, the GPU check's driver, on CPU: its control flow with stand-in steps.
+"""tools/gpu (``python -m tools.gpu check``), the GPU check's runner, on CPU: its control
+flow with stand-in steps.
 
 Steps run in order; a failing step fails the run; a step past its cap is killed (its whole
 process group) and its rows are kept; a skip is exit 3 with its reason; the results are
 rewritten after every step; at most 8 files land in the output folder. Then the step list
-itself (the issue's order, every CUDA test in it, caps within the budget), the BENCHMARKS
-rows it fills, and one whole ``--dry-run`` (heavy).
+itself (the issue's order, every CUDA test marked for a shard of it, caps within the
+budget), the BENCHMARKS rows it fills, and one whole ``--dry-run`` (heavy).
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-import gpu_check  # noqa: E402  (a tool script, not a package module)
+sys.path.insert(0, str(ROOT))
+from tools.gpu import report  # noqa: E402  (tools/ is the checkout's, not installed)
+from tools.gpu import steps as gpu_steps  # noqa: E402
 
 
 def py(code: str) -> list[str]:
@@ -37,11 +39,12 @@ def check(tmp_path: Path, steps: list[dict], *args: str, budget: int = 120):
     spec = tmp_path / "steps.json"
     spec.write_text(json.dumps(steps))
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--steps-json",
-                        str(spec), "--out", str(out), "--budget", str(budget), *args],
-                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    r = subprocess.run([sys.executable, "-m", "tools.gpu", "check", "--steps-json", str(spec),
+                        "--out", str(out), "--budget", str(budget), *args],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
     files = sorted(p.name for p in out.iterdir())
-    assert len(files) <= gpu_check.MAX_FILES, files
+    assert len(files) <= gpu_steps.MAX_FILES, files
     assert not [f for f in files if f.startswith(".")], files  # no temporary left behind
     return r.returncode, json.loads((out / "results.json").read_text()), r.stdout
 
@@ -157,34 +160,50 @@ def test_only_and_cap_select_steps(tmp_path):
 
 
 def test_the_steps_are_in_the_issues_order_within_the_budget():
-    names = [s.name for s in gpu_check.STEPS]
+    names = [s.name for s in gpu_steps.STEPS]
     assert names == ["info", "op_headline", "decode_sweep", "quant", "cuda_tests",
                      "cuda_graphs", "eager_route", "whole_k3", "vllm_k3", "kernel_build"]
-    assert sum(s.cap_s for s in gpu_check.STEPS) <= gpu_check.BUDGET_S
-    assert gpu_check.STEPS[0].stop_on_failure
-    sweep = gpu_check.STEPS[2].cmds[0]
+    assert sum(s.cap_s for s in gpu_steps.STEPS) <= gpu_steps.BUDGET_S
+    assert gpu_steps.STEPS[0].stop_on_failure
+    sweep = gpu_steps.STEPS[2].cmds[0]
     ts = sweep[sweep.index("--T") + 1:sweep.index("--variants")]
     assert ts == ("1", "8", "64", "65", "128", "255", "256", "1024", "4096")
 
 
-def _cuda_tests_of(path: Path) -> list[str]:
-    """Test functions that need CUDA: all of test_cuda.py's, elsewhere a skipif on CUDA."""
+def _cuda_tests_of(path: Path) -> dict[str, str | None]:
+    """Test functions that need CUDA (all of test_cuda.py's, elsewhere a skipif on CUDA)
+    or carry a ``gpu_check`` mark: each with its shard (None: unmarked)."""
     tree = ast.parse(path.read_text())
-    found = []
+    found: dict[str, str | None] = {}
     for fn in tree.body:
         if isinstance(fn, ast.FunctionDef) and fn.name.startswith("test_"):
-            marks = " ".join(ast.unparse(d) for d in fn.decorator_list)
-            if path.name == "test_cuda.py" or "cuda.is_available" in marks:
-                found.append(f"tests/{path.name}::{fn.name}")
+            marks = [d for d in fn.decorator_list if isinstance(d, ast.Call)
+                     and ast.unparse(d.func) == f"pytest.mark.{gpu_steps.MARKER}"]
+            text = " ".join(ast.unparse(d) for d in fn.decorator_list)
+            if path.name == "test_cuda.py" or "cuda.is_available" in text or marks:
+                shard = [ast.literal_eval(a) for m in marks for a in m.args]
+                found[f"tests/{path.name}::{fn.name}"] = shard[0] if len(shard) == 1 else None
     return found
 
 
-def test_every_cuda_test_is_a_node_id_of_the_check():
-    nodes = {a for s in gpu_check.STEPS if s.name in ("cuda_tests", "cuda_graphs")
-             for argv in s.cmds for a in argv if "::" in a}
-    want = {n for f in sorted((ROOT / "tests").glob("test_*.py")) for n in _cuda_tests_of(f)}
-    assert want - nodes == set(), "CUDA tests the GPU check does not run: add them to a shard"
-    assert nodes - want == set(), "node ids of the check that name no CUDA test"
+def test_every_cuda_test_is_marked_for_a_shard_of_the_check():
+    found = {n: s for f in sorted((ROOT / "tests").glob("test_*.py"))
+             for n, s in _cuda_tests_of(f).items()}
+    shards = (*gpu_steps.CUDA_SHARDS, gpu_steps.GRAPHS_SHARD)
+    unmarked = sorted(n for n, s in found.items() if s not in shards)
+    assert not unmarked, (f"CUDA tests the GPU check does not run: mark each "
+                          f"@pytest.mark.gpu_check(SHARD), SHARD one of {shards}")
+    assert set(found.values()) == set(shards), "a shard of the check with no test marked"
+    by_step = {s.name: s for s in gpu_steps.STEPS}
+    graphs = (gpu_steps.GRAPHS_SHARD,)
+    for name, want in (("cuda_tests", gpu_steps.CUDA_SHARDS), ("cuda_graphs", graphs)):
+        cmds = by_step[name].cmds
+        assert [argv[argv.index("--gpu-shard") + 1] for argv in cmds] == list(want)
+        for argv in cmds:
+            shard = argv[argv.index("--gpu-shard") + 1]
+            files = {n.split("::")[0] for n, s in found.items() if s == shard}
+            assert ("-m", "gpu_check") == argv[argv.index("-m", 3):argv.index("-m", 3) + 2]
+            assert files == {a for a in argv if a.endswith(".py")}, shard
 
 
 def test_fill_benchmarks_prints_the_cuda_tables():
@@ -200,7 +219,7 @@ def test_fill_benchmarks_prints_the_cuda_tables():
             {"T": 8, "time_s": {"fused": {"median": 1e-5}, "unfused": {"median": 2e-5}},
              "speedup": ratio, "bytes_and_scales_equal": True}]}}},
         {"step": "cuda_tests", "status": "passed", "test_counts": {"passed": 120}}]}
-    text = gpu_check.fill_benchmarks(doc)
+    text = report.fill_benchmarks(doc)
     assert "| read | 1.25 [1.20-1.30] | 4000.0 | 1.25 [1.20-1.30] | op 1.0e-03 |" in text
     assert "| decode sweep, H=7168 nb=8 bf16 full | T=1 |\n|---|---|\n" in text
     assert "| t(vLLM)/t(op) [IQR] | 1.25 [1.20-1.30] |" in text
@@ -226,11 +245,12 @@ def test_the_dry_run_runs_every_step_on_cpu(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert time.monotonic() - t0 < 300
     doc = json.loads((tmp_path / "results.json").read_text())
-    assert [s["step"] for s in doc["steps"]] == [s.name for s in gpu_check.STEPS]
+    assert [s["step"] for s in doc["steps"]] == [s.name for s in gpu_steps.STEPS]
     bad = [(s["step"], s["status"], s.get("reason")) for s in doc["steps"]
            if s["status"] != "passed" and (s["step"], s["status"]) != ("vllm_k3", "skipped")]
     assert not bad, r.stdout[-3000:]
     assert r.returncode in (0, 3) and doc["exit"] == r.returncode
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(gpu_check.FILES)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(gpu_steps.FILES)
     tests = doc["steps"][4]["test_counts"]
     assert tests.get("skipped", 0) > 100 and set(tests) == {"skipped"}  # no CUDA here
+    assert doc["steps"][5]["test_counts"] == {"skipped": 1}  # the graphs shard alone

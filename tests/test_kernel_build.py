@@ -1,6 +1,6 @@
 """Offline sm_90 / sm_100 build of the Triton kernel: no spills, enough bytes in flight.
 
-``tools/kernel_build.py`` compiles the kernel with Triton's bundled ptxas for Hopper and
+``python -m tools.kernel_build`` compiles the kernel with Triton's bundled ptxas for Hopper and
 Blackwell on this CPU machine and reads registers and stack from the cubin. Triton reads
 TRITON_INTERPRET when it is imported and the test session runs interpreted (conftest), so
 the builds run in other processes with TRITON_INTERPRET unset: each forked from one parent
@@ -11,7 +11,6 @@ imports are most of a process's time when Triton's cache serves the builds.
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 import json
 import os
 import subprocess
@@ -22,10 +21,12 @@ import pytest
 from helpers.process import ForkingParent
 
 ROOT = Path(__file__).resolve().parent.parent
-TOOL = ROOT / "tools" / "kernel_build.py"
-spec = importlib.util.spec_from_file_location("kernel_build", TOOL)
-kb = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(kb)
+sys.path.insert(0, str(ROOT))
+import tools.kernel_build as kb  # noqa: E402  (tools/ is the checkout's, not installed)
+
+#: The tool's command line in a forked child (``ForkingParent`` runs ``-c`` code or a file).
+TOOL = ["-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
+              "from tools.kernel_build.cli import main; sys.exit(main(sys.argv[1:]))"]
 
 
 def _triton_version() -> str | None:
@@ -51,9 +52,9 @@ def compiled():
 @pytest.fixture(scope="module")
 def compiled_run(compiled):
     """``compiled_run(code, *args)``: run ``code`` in a compiled-mode process with ``kb``
-    (tools/kernel_build.py) and ``sys`` imported and ``args`` in ``sys.argv[1:]``; its
+    (tools/kernel_build) and ``sys`` imported and ``args`` in ``sys.argv[1:]``; its
     last line of output."""
-    preamble = f"import sys; sys.path.insert(0, {str(TOOL.parent)!r}); import kernel_build as kb\n"
+    preamble = f"import sys; sys.path.insert(0, {str(ROOT)!r}); import tools.kernel_build as kb\n"
 
     def run(code: str, *args: str) -> str:
         return compiled.run([sys.executable, "-c", preamble + code, *args]).strip().splitlines()[-1]
@@ -67,9 +68,9 @@ def ci_results(compiled, tmp_path_factory):
     with the same source, target, options and compiler (CI builds them in a step of its
     own, .ci/run): the binaries read back are the ones a cold build makes."""
     out = tmp_path_factory.mktemp("kernel_build") / "ci.json"
-    proc = compiled.run([sys.executable, str(TOOL), "--ci", "--json", str(out)], check=False)
+    proc = compiled.run([sys.executable, *TOOL, "--ci", "--json", str(out)], check=False)
     if not out.exists():
-        pytest.fail(f"tools/kernel_build.py --ci failed (rc {proc.returncode}):\n"
+        pytest.fail(f"python -m tools.kernel_build --ci failed (rc {proc.returncode}):\n"
                     f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc, json.loads(out.read_text())
 
@@ -176,8 +177,8 @@ def test_the_ci_subset_builds_every_backward_variant_wherever_the_forward_is_bui
 
 def test_the_tool_refuses_the_interpreter():
     env = dict(_compiled_env(), TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, str(TOOL), "--ci"], env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "tools.kernel_build", "--ci"], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode != 0 and "TRITON_INTERPRET" in proc.stderr
 
 
@@ -222,7 +223,7 @@ def test_amd_gfx942_builds_have_no_scratch_and_fit_a_workgroup(compiled_run):
     registers or threads (the forward's superset at K3's width and chunked, the backward's
     superset at every kernel and warp setting, the decode path's widest slices) build with
     no scratch and no VGPR/SGPR spill, in at most 1024 threads a workgroup. The whole
-    matrix: ``tools/kernel_build.py --target gfx942`` (BENCHMARKS.md)."""
+    matrix: ``python -m tools.kernel_build --target gfx942`` (BENCHMARKS.md)."""
     cases = [("capture+delta+write+norm", "bfloat16", 7168), ("mix", "float32", 16384),
              ("bwd:dprefix+dblocks+dw", "bfloat16", 2048),
              ("bwd:dprefix+dblocks+dw", "float32", 4096),
@@ -261,7 +262,7 @@ def test_amd_quant_builds_have_no_scratch(compiled_run):
     """The FP8 quant's launches for AMD, offline: gfx942 storing e4m3fnuz (vLLM's MI300
     dtype) and gfx950 e4m3fn, the forward's quant superset at K3's width (row kernel) and
     chunked, and the decode path's quant launches: no scratch, no spill, at most 1024
-    threads. The whole quant matrix: ``tools/kernel_build.py --only quant --target gfx942``
+    threads. The whole quant matrix: ``python -m tools.kernel_build --only quant --target gfx942``
     (and gfx950)."""
     cases = [("quant-capture+delta+write+norm", "bfloat16", 7168),
              ("quant-capture+delta+write+norm", "float32", 8192),

@@ -217,7 +217,7 @@ def test_triton_backward_matches_cpu(monkeypatch, case, needs, route):
 @pytest.mark.parametrize("H", [2048, 4096, 8192, 8190, 16384])
 def test_triton_backward_launch_fits_a_program_on_cuda_and_hip(H):
     """At most 1024 threads a program: 32-wide warps on CUDA, 64-wide wavefronts on AMD
-    CDNA (tools/kernel_build.py builds these launches for gfx942 too)."""
+    CDNA (tools/kernel_build builds these launches for gfx942 too)."""
     for warp_size in (32, 64):
         _, cfg = tb.launch_config(H, torch.bfloat16, H % 16 == 0, 8, warp_size=warp_size)
         assert cfg["num_warps"] * warp_size <= 1024, (H, warp_size, cfg)

@@ -7,7 +7,7 @@ bytes and scales are equal on every row whose unquantized outputs are equal (16-
 mostly are; the mixtures' fp32 arithmetic differs between paths by rounding).
 
 vLLM's AMD K3 kernel (``vllm/models/kimi_k3/amd/ops/attn_res.py``), read from the installed
-vLLM as ``tools/kernel_build.py --vllm-peer`` does and launched by its own ``attn_res`` with
+vLLM as ``python -m tools.kernel_build --vllm-peer`` does and launched by its own ``attn_res`` with
 ``QUANT_MAX`` per FP8 dtype, runs under the interpreter beside the op. The interpreter's
 fp32 -> bf16 and fp32 -> fp8 conversions are not a GPU's (bf16 truncates; fp8 rounds ties
 away from zero and truncates subnormals), so for these tests they round to nearest even,

@@ -339,6 +339,7 @@ def test_mode_is_fixed_when_triton_is_imported(monkeypatch):
     _close(out, out_ref, torch.float32)
 
 
+@pytest.mark.gpu_check("wide")
 @pytest.mark.skipif(not torch.cuda.is_available() or tk.INTERPRETED,
                     reason="needs a CUDA device and the compiled kernel (TRITON_INTERPRET=0)")
 @pytest.mark.parametrize("dtype", DTYPES, ids=_dt)
@@ -394,7 +395,7 @@ def test_chunked_kernel_propagates_nan(chunked):
 
 
 def test_wide_unaligned_rows_take_the_chunked_kernel():
-    # Rows the register file cannot hold without spilling (tools/kernel_build.py).
+    # Rows the register file cannot hold without spilling (tools/kernel_build).
     assert tk.launch_config(7168, torch.bfloat16)[0] is tk._KERNEL
     assert tk.launch_config(8192, torch.float32)[0] is tk._KERNEL
     assert tk.launch_config(8190, torch.bfloat16, aligned=False)[0] is tk.CHUNKED_KERNEL
@@ -405,10 +406,10 @@ def test_wide_unaligned_rows_take_the_chunked_kernel():
 
 
 def _vllm_peer():
-    """vLLM's NVIDIA K3 kernel as the op benchmark loads it (``kimi_passes.bench.vllm_peer``:
+    """vLLM's NVIDIA K3 kernel as the op benchmark loads it (``kimi_passes.vllm.peer``:
     an installed vLLM or a prepared copy, never a copy in the repository); the test skips
     where there is neither."""
-    from kimi_passes.bench.vllm_peer import PeerError, load_peer
+    from kimi_passes.vllm.peer import PeerError, load_peer
 
     try:
         return load_peer("nvidia")

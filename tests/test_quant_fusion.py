@@ -386,6 +386,7 @@ def test_the_cuda_op_formula_needs_divide_values():
 # ------------------------------------------------------------------ CUDA (tools/gpu_check.sh)
 
 
+@pytest.mark.gpu_check("compiled")
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("T", [1, 8, 64, 300])
 def test_cuda_fused_quant_gives_the_unfused_bytes(T):

@@ -1,4 +1,4 @@
-"""vLLM's K3 kernel as the benchmarks' peer (``kimi_passes.bench.vllm_peer``), on CPU.
+"""vLLM's K3 kernel as the benchmarks' peer (``kimi_passes.vllm.peer``), on CPU.
 
 Taken from the installed vLLM (its file unchanged, run with stand-ins for vLLM's imports,
 interpreted), or from a folder prepared from it (``prepare``: byte-for-byte copies and a
@@ -17,9 +17,9 @@ import types
 import pytest
 import torch
 
-from kimi_passes.bench import vllm_peer as vp
 from kimi_passes.bench.harness import op_args, rel_err
 from kimi_passes.ops import attn_res_reference
+from kimi_passes.vllm import peer as vp
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

@@ -1,44 +1,21 @@
 """Write speculators-format drafter ``config.json`` fixtures with speculators' own classes.
 
-Each file under ``tests/data/speculators/<format>/config.json`` (formats: eagle3, peagle,
-dflash, dflash2, dspark) is the config.json that ``speculators==0.9.0`` writes into a
-drafter checkpoint: the format's config class is built the way speculators' training entry
-point builds it (``speculators.train.cli`` and each model's ``from_training_args``, with
-the CLI's defaults), the format's draft model class (``Eagle3DraftModel``, ...) is
-instantiated on it (tiny, random weights) and ``model.save_pretrained(folder)`` writes the
-checkpoint; only its config.json is kept (transformers' writer: keys sorted, indent 2).
-Compared with a bare ``config.save_pretrained``, the model's save sets ``architectures`` to
-the model class (``["Eagle3DraftModel"]`` instead of ``["Eagle3Speculator"]``) and adds
-``dtype`` and a top-level ``tie_word_embeddings``; both writers also drop a copy of
-speculators' config.py beside config.json (hence ``auto_map``), which is not kept here.
-
-The drafters belong to a tiny 8-layer Qwen3 verifier named ``kimi-k3-tiny``:
-
-* the draft ``transformer_layer_config`` comes from speculators'
-  ``create_transformer_layer_config`` applied to the verifier (llama for eagle3, qwen3
-  otherwise; 1 draft layer for eagle3/peagle, 5 for the dflash family). Its
-  ``num_hidden_layers`` is the DRAFT's depth, not the verifier's: the verifier's layer
-  count (8) is written nowhere in these files.
-* the aux layer ids pass speculators' ``resolve_target_layer_ids`` check against the
-  verifier (distinct, within ``[0, num_layers]``: id 8 == num_layers is allowed and is
-  used for dflash).
-* ``speculators_config`` holds ``algorithm``, one greedy proposal method and
-  ``verifier = {"name_or_path": "kimi-k3-tiny", "architectures": ["Qwen3ForCausalLM"]}``,
-  read by speculators' ``VerifierConfig.from_pretrained`` from a temporary local folder
-  named ``kimi-k3-tiny`` (nothing is fetched from a hub).
-
-Nothing is stripped: each file is byte-for-byte what speculators writes. Two fields hold a
-version: ``speculators_version`` ("0.9.0", pinned) and ``transformers_version`` (top level,
-and inside ``transformer_layer_config`` with transformers 5.24), the version of the
-transformers that ran this script. Neither changes from run to run, but
-``transformers_version`` does change with the environment (transformers 5.19.0 writes the
-same files but for that key), so a comparison test should drop the keys in
+Each ``tests/data/speculators/<format>/config.json`` (eagle3, peagle, dflash, dflash2,
+dspark) is what ``speculators==0.9.0`` writes into a drafter checkpoint: the format's config
+class built as ``speculators.train.cli`` and each model's ``from_training_args`` build it
+(the CLI's defaults), the draft model class instantiated on it (tiny, random weights) and
+``model.save_pretrained`` run; only config.json is kept, byte for byte (the model's save
+sets ``architectures`` to the model class and adds ``dtype`` and ``tie_word_embeddings``).
+The verifier is a tiny 8-layer Qwen3 named ``kimi-k3-tiny``, read from a local folder of
+that name (nothing is fetched): the draft ``transformer_layer_config`` is speculators'
+``create_transformer_layer_config`` of it (its ``num_hidden_layers`` is the DRAFT's depth),
+and the aux layer ids pass ``resolve_target_layer_ids`` (id 8 == num_layers: dflash).
+``transformers_version`` changes with the environment: a comparison drops
 ``VOLATILE_KEYS`` from both sides (``strip_volatile``).
 
-Made with speculators 0.9.0 and transformers 5.24.0 (the project venv). speculators'
-wheel and the modules it imports, installed without their dependencies (a full
-``pip install speculators==0.9.0`` pins transformers<=5.19.0 and brings CUDA builds of
-torchvision/torchaudio that do not load next to the CPU torch), then::
+Made with speculators 0.9.0 and transformers 5.24.0 (the project venv), speculators and
+the modules it imports installed without their dependencies (its full install pins
+transformers<=5.19.0 and brings CUDA torchvision/torchaudio that do not load here)::
 
     pip install --no-deps --target /tmp/spectarget speculators==0.9.0 datasets==5.1.0 \\
         pyarrow pandas python-dateutil xxhash multiprocess hs-connectors==0.9.0 \\
@@ -124,20 +101,23 @@ def _draft_layer_config(fmt: str):
 
 def _build(fmt: str):
     """One speculators config object for ``fmt``, mirroring ``from_training_args``."""
-    from speculators.config import SpeculatorsConfig, VerifierConfig
-    from speculators.models.dflash.config import DFlashSpeculatorConfig
-    from speculators.models.dflash.core import DFlashDraftModel
-    from speculators.models.dflash2.config import DFlash2SpeculatorConfig
-    from speculators.models.dspark.config import DSparkSpeculatorConfig
-    from speculators.models.eagle3.config import Eagle3SpeculatorConfig
-    from speculators.models.peagle.config import PEagleSpeculatorConfig
     from speculators.models.utils import resolve_target_layer_ids
-    from speculators.proposals.greedy import GreedyTokenProposalConfig
 
     layer_config = _draft_layer_config(fmt)
     layer_ids = resolve_target_layer_ids(LAYER_IDS[fmt], VERIFIER_NAME)
+    if fmt in ("eagle3", "peagle"):
+        return _eagle_config(fmt, layer_config, layer_ids)
+    return _dflash_config(fmt, layer_config, layer_ids)
 
-    def eagle_speculators_config(speculative_tokens: int) -> SpeculatorsConfig:
+
+def _eagle_config(fmt: str, layer_config, layer_ids):
+    """Eagle3 / PEagle: their ``DraftModel.from_training_args`` with the CLI's defaults."""
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.eagle3.config import Eagle3SpeculatorConfig
+    from speculators.models.peagle.config import PEagleSpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+
+    def speculators_config(speculative_tokens: int) -> SpeculatorsConfig:
         return SpeculatorsConfig(
             algorithm=fmt,
             proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=speculative_tokens)],
@@ -145,7 +125,7 @@ def _build(fmt: str):
             verifier=VerifierConfig.from_pretrained(VERIFIER_NAME),
         )
 
-    if fmt == "eagle3":  # Eagle3DraftModel.from_training_args, CLI defaults
+    if fmt == "eagle3":
         return Eagle3SpeculatorConfig(
             transformer_layer_config=layer_config,
             draft_vocab_size=DRAFT_VOCAB_SIZE[fmt],
@@ -155,23 +135,29 @@ def _build(fmt: str):
             norm_output=True,
             embed_requires_grad=False,
             eagle_aux_hidden_state_layer_ids=layer_ids,
-            speculators_config=eagle_speculators_config(3),  # ttt_steps
+            speculators_config=speculators_config(3),  # ttt_steps
         )
-    if fmt == "peagle":  # PEagleDraftModel.from_training_args, CLI defaults
-        return PEagleSpeculatorConfig(
-            transformer_layer_config=layer_config,
-            draft_vocab_size=DRAFT_VOCAB_SIZE[fmt],
-            norm_before_residual=True,
-            norm_before_fc=False,
-            fc_norm=False,
-            norm_output=False,
-            eagle_aux_hidden_state_layer_ids=layer_ids,
-            mask_token_id=MASK_TOKEN_ID,
-            speculators_config=eagle_speculators_config(8),  # num_depths
-        )
+    return PEagleSpeculatorConfig(
+        transformer_layer_config=layer_config,
+        draft_vocab_size=DRAFT_VOCAB_SIZE[fmt],
+        norm_before_residual=True,
+        norm_before_fc=False,
+        fc_norm=False,
+        norm_output=False,
+        eagle_aux_hidden_state_layer_ids=layer_ids,
+        mask_token_id=MASK_TOKEN_ID,
+        speculators_config=speculators_config(8),  # num_depths
+    )
 
-    # dflash family: DFlashDraftModel._build_base_config_kwargs is the shared builder
-    # that DFlash, DFlash2 and DSpark's from_training_args use.
+
+def _dflash_config(fmt: str, layer_config, layer_ids):
+    """The dflash family: ``DFlashDraftModel._build_base_config_kwargs`` is the shared
+    builder that DFlash, DFlash2 and DSpark's ``from_training_args`` use."""
+    from speculators.models.dflash.config import DFlashSpeculatorConfig
+    from speculators.models.dflash.core import DFlashDraftModel
+    from speculators.models.dflash2.config import DFlash2SpeculatorConfig
+    from speculators.models.dspark.config import DSparkSpeculatorConfig
+
     base = DFlashDraftModel._build_base_config_kwargs(
         fmt,
         layer_config,
@@ -196,7 +182,8 @@ def _build(fmt: str):
             enable_confidence_head=True,
             confidence_head_with_markov=True,
         )
-    raise ValueError(f"unknown format {fmt!r}")
+    raise ValueError(f"make_speculators_configs: unknown format {fmt!r}; the formats: "
+                     f"{FORMATS}")
 
 
 def _model_class(fmt: str):

@@ -6,7 +6,7 @@ shapes, one compile per cell), and a memory copy of the same bytes (``copy``: ``
 ``dst`` ``bytes/2`` each). On CUDA also the Triton kernel called directly (``triton``: what
 the op dispatches to; ``triton-row``: forced to the row kernel, beside the decode path the
 op takes at small T), ``vllm-k3``: the Triton kernel vLLM 0.33.0 serves K3's AttnRes with
-(``vllm_peer.load_peer``: an installed vLLM or a prepared copy; every variant, the op's
+(``kimi_passes.vllm.peer.load_peer``: an installed vLLM or a prepared copy; every variant, the op's
 arguments and in-place effects), and, when importable, the PyPI peers ``flash-attn-res``
 and ``fast-attnres`` on the shapes their kernels accept. Every candidate is checked against
 the fp32 reference first: MET within ``OP_TOL``, else MISS with the reason (raised: not
@@ -99,7 +99,7 @@ def _vllm_k3(args: AttnResArgs, device) -> tuple[Peer, str | None]:
     ``failed:`` where it cannot be loaded on CUDA (a MISS: the figure the check wants)."""
     if device.type != "cuda":
         return "unsupported: CUDA only", None
-    from kimi_passes.bench.vllm_peer import PeerError, load_peer
+    from kimi_passes.vllm.peer import PeerError, load_peer
 
     try:
         peer = load_peer("nvidia")

@@ -7,6 +7,8 @@
   is set it routes vLLM's own K3 ``attn_res`` and wraps its model's methods: ``k3_eager``
   (the stream in eager K3, vLLM's default) and ``k3_plan`` (served or refused at the
   model's init). Imports vLLM only when it routes.
+- ``peer``: ``load_peer``, vLLM's K3 kernel file as the benches', tests' and tools' peer
+  (an installed vLLM's file or a prepared copy, run with stand-ins). Never imports vLLM.
 
 Importing this package imports neither: the names of ``compile_pass`` load on first use,
 so vLLM's plugin loader reaches ``k3_route`` without importing vLLM's compile pipeline.

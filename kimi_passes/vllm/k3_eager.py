@@ -56,7 +56,7 @@ def claim(args: tuple, kwargs: dict) -> torch.Tensor | None:
 def capture_call(args: tuple, kwargs: dict) -> AttnResArgs:
     """The call vLLM's flag-on capture makes for this consumer call (its pure mixing of
     ``prefix + delta`` over the same bank, weights and ``num_blocks``): the reference the
-    fused capture is checked against (tests, tools/k3_eager_gpu.py)."""
+    fused capture is checked against (tests, tools/gpu/eager_route.py)."""
     a = AttnResArgs(*args, **kwargs)
     prefix = a.prefix if a.delta is None else a.prefix + a.delta
     return a._replace(prefix=prefix, delta=None, output_norm_weight=None, block_write_idx=-1,

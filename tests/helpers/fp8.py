@@ -1,8 +1,8 @@
 """FP8 quant comparisons against vLLM's AMD K3 kernel, shared by the tests that make them.
 
 vLLM's AMD K3 kernel (``vllm/models/kimi_k3/amd/ops/attn_res.py``) is loaded as the
-benchmarks and ``tools/kernel_build.py --vllm-peer`` load it (``vllm_amd``:
-``kimi_passes.bench.vllm_peer.load_peer("amd")``): its launcher ``attn_res`` takes the FP8
+benchmarks and ``python -m tools.kernel_build --vllm-peer`` load it (``vllm_amd``:
+``kimi_passes.vllm.peer.load_peer("amd")``): its launcher ``attn_res`` takes the FP8
 bound from the module global ``QUANT_MAX`` a caller sets, where vLLM's reads its platform.
 Under the interpreter its fp32 -> bf16 / fp16 / fp8 conversions are not a GPU's (bf16
 truncates; fp8 rounds ties away from zero and truncates subnormals), so ``gpu_rounding``
@@ -57,11 +57,11 @@ def gpu_rounding():
 
 def vllm_amd():
     """vLLM's AMD K3 module (kernel and launcher), loaded once a process by
-    ``kimi_passes.bench.vllm_peer``; the test skips where vLLM is neither installed nor
+    ``kimi_passes.vllm.peer``; the test skips where vLLM is neither installed nor
     prepared."""
     import pytest
 
-    from kimi_passes.bench.vllm_peer import PeerError, load_peer
+    from kimi_passes.vllm.peer import PeerError, load_peer
 
     try:
         return load_peer("amd").module

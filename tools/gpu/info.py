@@ -1,4 +1,4 @@
-"""The GPU check's first step: can this machine run it? (tools/gpu_check.py runs it.)
+"""The GPU check's first step: can this machine run it? (``python -m tools.gpu info``.)
 
 Prints the versions, the device, the C compiler and Python headers Triton builds its
 launchers with, where kimi_passes imports from and what was prepared (.gpu_carry), and
@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 TORCH_FLOOR, TRITON_FLOOR = (2, 11), (3, 6)
 
@@ -31,7 +31,8 @@ def _version(v: str) -> tuple[int, ...]:
 def main(argv: list[str] | None = None) -> int:
     """The machine: versions, CUDA, the C compiler Triton builds its launchers with; exit 1,
     each problem named with what to do, when the check cannot run here."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.gpu info",
+                                 description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="CUDA not required")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
@@ -129,7 +130,3 @@ def _import_facts(facts: dict) -> list[str]:
         problems.append(f"kimi_passes imports from {facts['kimi_passes']}, not this checkout "
                         f"({ROOT}): run from the repository root")
     return problems
-
-
-if __name__ == "__main__":
-    sys.exit(main())

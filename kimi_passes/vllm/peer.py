@@ -17,7 +17,7 @@ module's ``QUANT_MAX`` where a caller set one, else vLLM's bound for this platfo
 kernel is decorated in the mode triton.language was built in (``ops/triton_mode.py``). A
 file is loaded once per process and place: a new load is a new ``triton.jit`` function.
 
-``python -m kimi_passes.bench.vllm_peer prepare DIR`` copies the installed files into DIR
+``python -m kimi_passes.vllm.peer prepare DIR`` copies the installed files into DIR
 byte for byte with a MANIFEST.json; ``verify DIR`` loads them from there and checks a tiny
 call against the reference (``tools/gpu_prepare.sh`` runs both; docs/testing.md).
 """
@@ -211,7 +211,7 @@ def _stand_in_modules(module: types.ModuleType) -> dict[str, types.ModuleType]:
         parts = name.split(".")
         for i in range(1, len(parts) + 1):
             sub = ".".join(parts[:i])
-            made.setdefault(sub, types.ModuleType(sub, "kimi_passes.bench.vllm_peer stand-in"))
+            made.setdefault(sub, types.ModuleType(sub, "kimi_passes.vllm.peer stand-in"))
         made[name].__dict__.update(attrs[name])
     for name, m in made.items():
         parent, _, child = name.rpartition(".")
@@ -222,7 +222,7 @@ def _stand_in_modules(module: types.ModuleType) -> dict[str, types.ModuleType]:
 
 def _no_native_op(name: str):
     raise AttributeError(f"vllm._custom_ops.{name}: vLLM's compiled ops are not available to "
-                         "the peer (kimi_passes.bench.vllm_peer times vLLM's Triton path)")
+                         "the peer (kimi_passes.vllm.peer times vLLM's Triton path)")
 
 
 class _Platform:
@@ -282,7 +282,7 @@ def prepare(dest: Path) -> dict:
     now = datetime.datetime.now(datetime.timezone.utc)
     manifest = {"vllm_version": _vllm_version(), "files": files,
                 "prepared": now.isoformat(timespec="seconds"),
-                "loader": "kimi_passes.bench.vllm_peer", "stand_ins": list(STAND_INS)}
+                "loader": "kimi_passes.vllm.peer", "stand_ins": list(STAND_INS)}
     (dest / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
 
@@ -342,7 +342,7 @@ def tiny_call_error(peer: Peer) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kimi_passes.bench.vllm_peer",
+    p = argparse.ArgumentParser(prog="python -m kimi_passes.vllm.peer",
                                 description="vLLM's K3 kernel: prepare a copy, verify it, or "
                                             "say where load_peer takes it from")
     p.add_argument("command", choices=("prepare", "verify", "show"))
@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print("\n".join(f"{v}: {load_peer(v).source}" for v in FILES))
     except PeerError as e:
-        print(f"vllm_peer: {e}", file=sys.stderr)
+        print(f"kimi_passes.vllm.peer: {e}", file=sys.stderr)
         return 1
     return 0
 
