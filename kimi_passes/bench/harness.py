@@ -25,11 +25,11 @@ from pathlib import Path
 
 import torch
 
-from kimi_passes.ops.attn_res_args import AttnResArgs
+# The bench's names for them (bench, tests and tools import them from here too).
+from kimi_passes.ops.reference import EPS, op_args, rel_err  # noqa: F401
 
 #: The command line every benchmark runs under (``kimi_passes.bench.cli``).
 PROG = "python -m kimi_passes bench"
-EPS = 1e-6
 
 #: The op tolerance, per dtype: what one AttnRes mixture computed in fp32 and rounded once
 #: to the output dtype meets against the fp32 reference (the tests' atol = rtol; the
@@ -77,20 +77,6 @@ def linear_fit(xs: list[float], ys: list[float]) -> dict:
     ss_tot = sum((y - my) ** 2 for y in ys)
     r2 = 1.0 - ss_res / ss_tot if ss_tot else 1.0
     return {"slope": slope, "intercept": intercept, "r2": r2}
-
-
-def rel_err(got, want) -> float:
-    """Max abs error of ``got`` against ``want`` over the max abs of ``want`` (the absolute
-    error where ``want`` is all zeros), in float64: the formula the tests' tolerances are
-    stated in (tests/helpers/k3.py). Two Nones (an unused gradient) are 0."""
-    if got is None or want is None:
-        if (got is None) != (want is None):
-            raise ValueError("rel_err: a tensor is None on one side only (a gradient one "
-                             "backend computes and the other does not)")
-        return 0.0
-    got, want = got.detach().double(), want.detach().double()
-    err, scale = float((got - want).abs().max()), float(want.abs().max())
-    return err / scale if scale else err
 
 
 def verdict(candidate: str, T, time: float | None, ratio: float | None, err: float | None,
@@ -209,25 +195,6 @@ class Timer:
 
 
 # ----------------------------------------------------------------------------- inputs
-
-
-def op_args(T: int, H: int, nb: int, *, dtype=torch.float32, device="cpu",
-            slots: int | None = None, delta: float | None = None, write: int = -1,
-            output_norm: bool = False, eps: float = EPS, seed: int = 0) -> AttnResArgs:
-    """Seeded ``kimi::attn_res`` arguments: ``[T, H]`` sources, a bank of ``slots`` slots
-    (default ``nb + 1``: room for a block write), ``delta`` the delta's scale (None: no
-    delta), RMSNorm weights near 1 and a query of scale ``2 / sqrt(H)``."""
-    g = torch.Generator().manual_seed(seed)
-
-    def rnd(*shape, scale=1.0, shift=0.0):
-        return (torch.randn(*shape, generator=g) * scale + shift).to(dtype=dtype, device=device)
-
-    return AttnResArgs(
-        prefix=rnd(T, H), delta=None if delta is None else rnd(T, H, scale=delta),
-        blocks=rnd(T, nb + 1 if slots is None else slots, H),
-        norm_weight=rnd(H, scale=0.1, shift=1.0), qk_weight=rnd(H, scale=2.0 / H**0.5),
-        output_norm_weight=rnd(H, scale=0.1, shift=1.0) if output_norm else None,
-        num_blocks=nb, block_write_idx=write, eps=eps, output_norm_eps=eps)
 
 
 def k3_input(cfg, T, device):

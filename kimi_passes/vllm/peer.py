@@ -328,8 +328,7 @@ def tiny_call_error(peer: Peer) -> float:
     output norm) against the reference, on the GPU where Triton compiles for one."""
     import torch
 
-    from kimi_passes.bench.harness import op_args, rel_err
-    from kimi_passes.ops import attn_res_reference
+    from kimi_passes.ops.reference import attn_res_reference, op_args, rel_err
     from kimi_passes.ops.triton_mode import INTERPRETED
 
     if not INTERPRETED and not torch.cuda.is_available():
