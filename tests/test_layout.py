@@ -319,7 +319,7 @@ PUBLIC = {
 }
 #: Needs vLLM (skipped without it).
 PUBLIC_VLLM = {"kimi_passes.vllm": [
-    "KimiVllmPass", "aux_stream_pass", "attn_res_stream_pass", "compile_config_entries",
+    "KimiVllmPass", "attn_res_stream_pass", "compile_config_entries",
     "make_vllm_pass", "prefix_stream_pass"]}
 
 
