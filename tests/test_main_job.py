@@ -11,9 +11,12 @@ import re
 
 import pytest
 
-from kimi_passes.__main__ import default_taps, main, make_stages
+import kimi_passes
+from kimi_passes.__main__ import DRIFT_MARGIN, TOLERANCE, default_taps, main, make_stages
 
 FAST = ["--aten-fallback", "--layers", "3", "--hidden", "16", "--heads", "2", "--tokens", "6"]
+#: The README's bf16 command (its shape; ATen fallbacks here).
+README_BF16 = ["--layers", "8", "--block-size", "3", "--taps", "0,3,6,8", "--dtype", "bf16"]
 
 
 def rows(out: str) -> dict[int, list[str]]:
@@ -21,7 +24,7 @@ def rows(out: str) -> dict[int, list[str]]:
     table = {}
     for line in out.splitlines():
         cells = re.split(r"\s{2,}", line.strip())
-        if cells and cells[0].isdigit() and len(cells) >= 9:
+        if cells and cells[0].isdigit() and len(cells) >= 10:
             table[int(cells[0])] = cells
     return table
 
@@ -93,8 +96,29 @@ def test_prefix_stream(capsys):
     table = rows(out)
     assert sorted(table) == [0, 2, 3]
     assert all(r[3] == "prefix" and r[4] == "running prefix" for r in table.values()), out
-    assert all(r[6] == "eager prefix" and r[7] == "1.0000" for r in table.values()), out
-    assert "compared with the eager model's running prefix value" in out
+    assert all(r[6] == "eager prefix" and r[8] == "1.0000" for r in table.values()), out
+    assert "compared with the model's running prefix value" in out
+
+
+def test_a_tap_reading_the_prefix_fails_the_bf16_check(monkeypatch, capsys):
+    """A broken rewrite (the backend serves the prefix stream; the check judges attn_res)
+    fails the README's bf16 command: the fp32 truth's tolerance is what eager bf16 needs,
+    far below a prefix tap's distance. Tap 0 reads the embedding, where the two agree."""
+    real = kimi_passes.make_kimi_backend
+    monkeypatch.setattr(kimi_passes, "make_kimi_backend",
+                        lambda aux_stream=None, **kw: real(aux_stream="prefix", **kw))
+    assert main(["--aten-fallback", *README_BF16]) == 1
+    out = capsys.readouterr().out
+    table = rows(out)
+    assert sorted(table) == [0, 3, 6, 8], out
+    assert table[0][-1] == "yes" and float(table[0][5]) == 0.0, out
+    for k in (3, 6, 8):
+        err, tol = float(table[k][5]), float(table[k][7])
+        assert table[k][-1] == "NO" and table[k][6] == "fp32 ground truth", out
+        # eager bf16's drift sets the tolerance: above the dtype's, well below the miss
+        assert TOLERANCE["bf16"] < tol and err > 10 * tol, out
+    assert "result: 3 of 4 taps DISAGREE (capture ids [3, 6, 8]; bf16" in out
+    assert f"{DRIFT_MARGIN:g} x the eager bf16 tap's own distance" in out
 
 
 def test_usage_errors(capsys):
