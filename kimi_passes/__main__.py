@@ -227,7 +227,10 @@ def _run(args, cfg, stages) -> int:
                         generator=torch.Generator().manual_seed(args.seed))
     counters.clear()
     found = _Stages()
-    dumping = dump(args.dump) if args.dump else contextlib.nullcontext()
+    # graph_caches_off already makes every compile run the passes; dump's own switch would
+    # also drop the kernel build cache and rebuild every C++ kernel.
+    dumping = (dump(args.dump, disable_caches=False) if args.dump
+               else contextlib.nullcontext())
     with torch.no_grad(), graph_caches_off(), dumping:
         # One chain of stage inputs each: compiled, eager, eager fp32 (reduced precision).
         inputs: _Chains = ((ids,), (ids,), None if args.dtype == "fp32" else (ids,))
