@@ -1,9 +1,10 @@
 """python -m kimi_passes: refusal, the SVG, a tap reading the prefix, usage errors.
 
-Every test passes --aten-fallback (no generated kernels: fast compiles; the passes and
-the post-grad graphs are the same). The runs at the README's arguments (real Inductor:
-pipeline stages, the prefix stream, the dump, bf16) are tests/test_readme_commands.py's;
-CI runs the default ``python -m kimi_passes`` as its set-up step.
+The compiling tests pass --aten-fallback (no generated kernels: fast compiles; the
+passes and the post-grad graphs are the same). The runs at the README's arguments (real
+Inductor: pipeline stages, the prefix stream, the dump, bf16) are
+tests/test_readme_commands.py's; CI runs the default ``python -m kimi_passes`` as its
+set-up step.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ import re
 
 import pytest
 
-import kimi_passes
+import kimi_passes.__main__
 from kimi_passes.__main__ import DRIFT_MARGIN, TOLERANCE, default_taps, main, make_stages
 
 FAST = ["--aten-fallback", "--layers", "3", "--hidden", "16", "--heads", "2", "--tokens", "6"]
-#: The README's bf16 command (its shape; ATen fallbacks here).
+#: The README's bf16 command.
 README_BF16 = ["--layers", "8", "--block-size", "3", "--taps", "0,3,6,8", "--dtype", "bf16"]
 
 
@@ -58,13 +59,17 @@ def test_svg(tmp_path, capsys, monkeypatch):
 
 
 def test_a_tap_reading_the_prefix_fails_the_bf16_check(monkeypatch, capsys):
-    """A broken rewrite (the backend serves the prefix stream; the check judges attn_res)
-    fails the README's bf16 command: the fp32 truth's tolerance is what eager bf16 needs,
-    far below a prefix tap's distance. Tap 0 reads the embedding, where the two agree."""
-    real = kimi_passes.make_kimi_backend
-    monkeypatch.setattr(kimi_passes, "make_kimi_backend",
-                        lambda aux_stream=None, **kw: real(aux_stream="prefix", **kw))
-    assert main(["--aten-fallback", *README_BF16]) == 1
+    """A broken rewrite, one whose every tap reads the running prefix, fails the README's
+    bf16 command: the fp32 truth's tolerance is what eager bf16 needs, far below a prefix
+    tap's distance. The stage's compile is stood in for by the eager prefix-stream forward
+    (exactly those taps; no compile needed to judge the check). Tap 0 reads the
+    embedding, where the two streams agree."""
+    def prefix_taps(args, model, name, inputs, found):
+        out, taps = model(*inputs)
+        return out, taps, {}
+
+    monkeypatch.setattr(kimi_passes.__main__, "_compile_and_run", prefix_taps)
+    assert main(README_BF16) == 1
     out = capsys.readouterr().out
     table = rows(out)
     assert sorted(table) == [0, 3, 6, 8], out
