@@ -76,6 +76,18 @@ def readme_commands() -> list[str]:
     return [line for line in lines if not any(rule.search(line) for rule in SKIPPED)]
 
 
+def test_the_parser_reads_bash_blocks_and_refuses_what_it_cannot_run():
+    text = ("```python\nx = 1\n```\n```bash\n# a comment\n"
+            "A=1 B='x y' .venv/bin/python -m kimi_passes --stages 2   # two stages\n\n"
+            "bash tools/gpu_check.sh\n```\n```\nnot bash\n```\n")
+    lines = bash_lines(text)
+    assert lines == ["A=1 B='x y' .venv/bin/python -m kimi_passes --stages 2",
+                     "bash tools/gpu_check.sh"]
+    assert parse(lines[0]) == ({"A": "1", "B": "x y"}, ["--stages", "2"])
+    with pytest.raises(ValueError, match="bash tools/gpu_check.sh.*the runner knows"):
+        parse(lines[1])
+
+
 def test_every_readme_command_is_one_the_runner_knows():
     commands = readme_commands()
     assert commands, "README.md has no ```bash command to run besides the set-up lines"
