@@ -7,20 +7,25 @@
     python -m kimi_passes bench [args]             # kimi_passes.bench, when installed
 
 Each stage is compiled with ``kimi_backend`` (caches off, so the pass runs and
-reports), run, and its taps compared with the eager reference: in the attn_res
-stream the model's ``ground_truth`` (each tap its consumer's pre-norm mixture), in
-the prefix stream the eager model's legacy prefix value. ``cos(prefix)`` is the
-cosine similarity of the tap to the prefix-stream value (1.0 in the prefix stream).
+reports), run, and its taps compared with the reference: in the attn_res stream the
+model's ``ground_truth`` (each tap its consumer's pre-norm mixture), in the prefix
+stream the model's legacy prefix value. In fp32 the reference is the eager model, to
+1e-5 (max abs error). In bf16 and fp16 it is the same weights run eagerly in fp32, and
+a tap's tolerance is what the eager model in that dtype needs there: the larger of the
+dtype's (2e-2 bf16, 5e-3 fp16) and ``DRIFT_MARGIN`` times the eager tap's own distance
+from it (Inductor keeps intermediates in fp32 where eager rounds each op, so over
+layers both drift from fp32 by about as much; a tap reading the prefix misses by ~50x
+more). ``cos(prefix)``: the cosine of the tap to the prefix-stream value.
 
-Exit status: 0 when every tap agrees (max abs error within 1e-5 fp32, 2e-2 bf16,
-5e-3 fp16), 1 when one does not or the pass refuses a tap (the error is printed),
-2 for bad arguments or a missing tool.
+Exit status: 0 when every tap agrees, 1 when one does not or the pass refuses a tap
+(the error is printed), 2 for bad arguments or a missing tool.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import importlib
 import shutil
 import subprocess
@@ -37,6 +42,9 @@ if TYPE_CHECKING:
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 5e-3}
+#: bf16 / fp16: how many times the eager model's own distance from the fp32 truth a compiled
+#: tap may be (another rounding path of the same size; see the module docstring).
+DRIFT_MARGIN = 2.0
 
 
 def _bench(argv: list[str]) -> int:
@@ -134,14 +142,19 @@ class TapRow:
     err: float
     reference: str
     cos: float
-    ok: bool
+    tol: float
+
+    @property
+    def ok(self) -> bool:
+        return self.err <= self.tol
 
 
-def _table(rows: list[TapRow], tol: float) -> str:
-    head = ("id", "stage", "consumer", "stream", "capture", "max abs err", "vs",
+def _table(rows: list[TapRow]) -> str:
+    head = ("id", "stage", "consumer", "stream", "capture", "max abs err", "vs", "tol",
             "cos(prefix)", "ok")
     body = [(str(r.capture_id), r.stage, r.consumer, r.stream, r.capture, f"{r.err:.2e}",
-             r.reference, f"{r.cos:.4f}", "yes" if r.ok else f"NO (> {tol:g})") for r in rows]
+             r.reference, f"{r.tol:.2g}", f"{r.cos:.4f}", "yes" if r.ok else "NO")
+            for r in rows]
     widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
     return "\n".join([line(head), line(["-" * w for w in widths]), *map(line, body)])
@@ -202,7 +215,6 @@ def _run(args, cfg, stages) -> int:
     from kimi_passes.debug import dump, pass_dumps
     from kimi_passes.debug.recording import graph_caches_off
 
-    tol = TOLERANCE[args.dtype]
     fuse = not args.no_fuse
     stage_names = ", ".join(f"[{s}, {e})" for s, e in stages)
     capture = "n/a" if args.stream == "prefix" else ("fused capture" if fuse else
@@ -215,15 +227,19 @@ def _run(args, cfg, stages) -> int:
                         generator=torch.Generator().manual_seed(args.seed))
     counters.clear()
     found = _Stages()
-    dumping = dump(args.dump) if args.dump else contextlib.nullcontext()
+    # graph_caches_off already makes every compile run the passes; dump's own switch would
+    # also drop the kernel build cache and rebuild every C++ kernel.
+    dumping = (dump(args.dump, disable_caches=False) if args.dump
+               else contextlib.nullcontext())
     with torch.no_grad(), graph_caches_off(), dumping:
-        inputs, ref_inputs = (ids,), (ids,)
+        # One chain of stage inputs each: compiled, eager, eager fp32 (reduced precision).
+        inputs: _Chains = ((ids,), (ids,), None if args.dtype == "fp32" else (ids,))
         for start, end in stages:
-            outs = _stage(args, cfg, start, end, inputs, ref_inputs, tol, found)
+            outs = _stage(args, cfg, start, end, inputs, found)
             if outs is None:
                 return 1
-            inputs, ref_inputs = outs
-    _print_results(args, found, tol)
+            inputs = outs
+    _print_results(args, found)
     if args.show_graph:
         for label, g in found.graphs():
             print(f"\npost-pass graph of {label} (skeleton view):")
@@ -235,27 +251,48 @@ def _run(args, cfg, stages) -> int:
             print(f"  {f.name}")
     if args.svg and _write_svg(args.svg, found) != 0:
         return 2
-    bad = [r for r in found.rows if not r.ok]
-    if bad:
-        print(f"result: {len(bad)} of {len(found.rows)} taps DISAGREE (capture ids "
-              f"{[r.capture_id for r in bad]}; tolerance {tol:g} for {args.dtype})")
-        return 1
-    print(f"result: all {len(found.rows)} taps agree (tolerance {tol:g} for {args.dtype})")
-    return 0
+    return _verdict(args, found)
 
 
-def _stage(args, cfg, start: int, end: int, inputs, ref_inputs, tol: float, found: _Stages):
-    """Compile, run and check layers ``[start, end)``; the next stage's (compiled, eager)
-    inputs, or None when the pass refused a tap (the error printed)."""
+#: A stage's inputs (or outputs) on each side: compiled, eager, eager fp32 (None in fp32).
+_Chains = tuple[tuple, tuple, "tuple | None"]
+
+
+def _stage(args, cfg, start: int, end: int, inputs: _Chains, found: _Stages):
+    """Compile, run and check layers ``[start, end)``; the next stage's inputs (each side's
+    outputs), or None when the pass refused a tap (the error printed)."""
     import torch.nn.functional as F
-    from torch._dynamo.exc import BackendCompilerFailed
 
-    from kimi_passes import AuxCaptureError, make_kimi_backend
-    from kimi_passes.debug.recording import GraphRecorder
     from kimi_passes.graphs import K3Model
 
     name = f"[{start}, {end})"
     model = K3Model(cfg, start, end)
+    ran = _compile_and_run(args, model, name, inputs[0], found)
+    if ran is None:
+        return None
+    out, taps, rewrites = ran
+    outs, want, tols, reference, prefix_taps = _references(args, model, inputs)
+    for k, got, truth, tol, legacy in zip(model.capture_ids, taps, want, tols, prefix_taps,
+                                          strict=True):
+        r = rewrites.get(k)
+        err = (got.float() - truth.float()).abs().max().item()
+        cos = F.cosine_similarity(got.float().flatten(), legacy.float().flatten(), dim=0).item()
+        found.rows.append(TapRow(
+            k, name, r.consumer if r else "(no rewrite recorded)",
+            r.stream if r else args.stream, r.how() if r else "?", err, reference, cos, tol))
+    if model.is_last:
+        found.output_err = (out.float() - outs[0].float()).abs().max().item()
+    return (out, *outs)
+
+
+def _compile_and_run(args, model, name: str, inputs: tuple, found: _Stages):
+    """``(output, taps, rewrites by capture id)`` of the compiled stage (run twice: the second
+    call counts recompiles), or None when the pass refused a tap (the error printed)."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    from kimi_passes import AuxCaptureError, make_kimi_backend
+    from kimi_passes.debug.recording import GraphRecorder
+
     inductor = {"fallback_by_default": True} if args.aten_fallback else {}
     recorder = GraphRecorder(make_kimi_backend(aux_stream=args.stream,
                                                fuse_capture=not args.no_fuse, **inductor))
@@ -276,33 +313,43 @@ def _stage(args, cfg, start: int, end: int, inputs, ref_inputs, tol: float, foun
     compiled_graphs = len(recorder.graphs)
     compiled(*inputs)  # the same call again: served without recompiling
     found.recompiles += len(recorder.graphs) - compiled_graphs
-
-    ref_out, prefix_taps = model(*ref_inputs)
-    if args.stream == "attn_res":
-        truth, reference = model.ground_truth(*ref_inputs)[1], "ground truth"
-    else:
-        truth, reference = prefix_taps, "eager prefix"
-    rewrites = {r.capture_id: r for g in recorder.graphs for r in g.rewrites}
-    for k, got, want, legacy in zip(model.capture_ids, taps, truth, prefix_taps, strict=True):
-        r = rewrites.get(k)
-        err = (got.float() - want.float()).abs().max().item()
-        cos = F.cosine_similarity(got.float().flatten(), legacy.float().flatten(), dim=0).item()
-        found.rows.append(TapRow(
-            k, name, r.consumer if r else "(no rewrite recorded)",
-            r.stream if r else args.stream, r.how() if r else "?", err, reference, cos,
-            err <= tol))
-    if model.is_last:
-        found.output_err = (out.float() - ref_out.float()).abs().max().item()
-    return out, ref_out
+    return out, taps, {r.capture_id: r for g in recorder.graphs for r in g.rewrites}
 
 
-def _print_results(args, found: _Stages, tol: float) -> None:
+def _references(args, model, inputs: _Chains):
+    """The eager side of a stage: ``(outputs of the eager chains, the taps to compare with,
+    each tap's tolerance, the reference's name, the eager prefix-stream taps)``.
+
+    fp32: the eager model, to the dtype's tolerance. bf16 / fp16: the same weights in fp32
+    on the fp32 chain; each tolerance the larger of the dtype's and ``DRIFT_MARGIN`` times
+    the eager model's own tap's distance from that truth (see the module docstring)."""
+    attn_res = args.stream == "attn_res"
+    ref_out, prefix_taps = model(*inputs[1])
+    eager = model.ground_truth(*inputs[1])[1] if attn_res else prefix_taps
+    tol = TOLERANCE[args.dtype]
+    if inputs[2] is None:
+        return ((ref_out, None), eager, [tol] * len(eager),
+                "ground truth" if attn_res else "eager prefix", prefix_taps)
+    twin = copy.deepcopy(model).float()  # the weights as the model holds them, in fp32
+    truth_out, truth_prefix = twin(*inputs[2])
+    truth = twin.ground_truth(*inputs[2])[1] if attn_res else truth_prefix
+    tols = [max(tol, DRIFT_MARGIN * (e.float() - t).abs().max().item())
+            for e, t in zip(eager, truth, strict=True)]
+    return ((ref_out, truth_out), truth, tols,
+            "fp32 ground truth" if attn_res else "fp32 prefix", prefix_taps)
+
+
+def _print_results(args, found: _Stages) -> None:
     from torch._dynamo.utils import counters
 
-    print(_table(found.rows, tol))
+    print(_table(found.rows))
     if args.stream == "prefix":
-        print("(prefix stream: taps compared with the eager model's running prefix value, "
+        print("(prefix stream: taps compared with the model's running prefix value, "
               "not with the AttnRes ground truth)")
+    if args.dtype != "fp32":
+        print(f"({args.dtype}: taps compared with the same weights run eagerly in fp32; tol: "
+              f"the larger of {TOLERANCE[args.dtype]:g} and {DRIFT_MARGIN:g} x the eager "
+              f"{args.dtype} tap's own distance from it)")
     breaks = sum(counters["graph_break"].values())
     print(f"model output: max abs err {found.output_err:.2e} vs eager")
     print(f"graph breaks: {breaks}")
@@ -310,6 +357,19 @@ def _print_results(args, found: _Stages, tol: float) -> None:
     per_stage = ", ".join(f"{n}: {t:.1f} s" for n, t in found.times)
     print(f"compile time: {sum(t for _, t in found.times):.1f} s (first call, one run "
           f"included; {per_stage})")
+
+
+def _verdict(args, found: _Stages) -> int:
+    """Print the result line; the exit status (0: every tap within its tolerance)."""
+    bad = [r for r in found.rows if not r.ok]
+    how = (f"tolerance {TOLERANCE[args.dtype]:g} for fp32" if args.dtype == "fp32" else
+           f"{args.dtype}: each tap's tol column")
+    if bad:
+        print(f"result: {len(bad)} of {len(found.rows)} taps DISAGREE (capture ids "
+              f"{[r.capture_id for r in bad]}; {how})")
+        return 1
+    print(f"result: all {len(found.rows)} taps agree ({how})")
+    return 0
 
 
 def _write_svg(path: str, found: _Stages) -> int:

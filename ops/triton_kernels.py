@@ -273,34 +273,39 @@ def launch(a: AttnResArgs, out, mixed, route: str | None = None,
     ``quant``, ``out`` is not given: the output is quantized into ``quant.data`` /
     ``quant.scale`` (the chunked and decode routes stage it in a scratch buffer)."""
     _check_unit_stride(a)
-    prefix, delta, num_blocks, output_norm_weight = (
-        a.prefix, a.delta, a.num_blocks, a.output_norm_weight)
-    T, H = prefix.shape
+    T, H = a.prefix.shape
     if T == 0 or H == 0:
         return
-    do_write = a.block_write_idx >= 0
     # skip_idx: the written slot (not loaded: sourced from registers), else num_blocks.
-    skip_idx = a.block_write_idx if do_write else num_blocks
-    if prefix.device.type == "cpu" and not INTERPRETED:
+    skip_idx = a.block_write_idx if a.block_write_idx >= 0 else a.num_blocks
+    if a.prefix.device.type == "cpu" and not INTERPRETED:
         raise RuntimeError(
             "kimi attn_res (triton): CPU tensors need the Triton interpreter; set "
             "TRITON_INTERPRET=1 before triton is first imported"
         )
     route = triton_route(route)
-    pdl = pdl_launch(prefix.device)
+    pdl = pdl_launch(a.prefix.device)
     # The interpreter runs on any device (staging through host memory); compiled kernels
     # launch on the tensors' GPU.
-    on_device = contextlib.nullcontext() if INTERPRETED else torch.cuda.device(prefix.device)
+    on_device = contextlib.nullcontext() if INTERPRETED else torch.cuda.device(a.prefix.device)
     if route == "decode" or (route == "auto" and takes_decode(T, H)):
         with on_device:
             launch_decode(a, out, mixed, skip_idx, pdl, quant)
         return
+    _launch_rows(a, out, mixed, skip_idx, pdl, quant, on_device)
+
+
+def _launch_rows(a: AttnResArgs, out, mixed, skip_idx: int, pdl: bool,
+                 quant: QuantOut | None, on_device) -> None:
+    """One program a row: the row kernel, or the chunked one for rows too wide for it
+    (``launch_config``, from the rows' alignment)."""
+    prefix, T, H = a.prefix, *a.prefix.shape
     data = None if quant is None else quant.data
-    ptrs = [prefix, delta, a.blocks, a.norm_weight, a.qk_weight, output_norm_weight, out,
+    ptrs = [prefix, a.delta, a.blocks, a.norm_weight, a.qk_weight, a.output_norm_weight, out,
             mixed, data]
     # Triton specialises a pointer on 16-byte alignment and an int on divisibility by 16.
-    strides = (prefix.stride(0), 0 if delta is None else delta.stride(0), a.blocks.stride(0),
-               a.blocks.stride(1), 0 if out is None else out.stride(0),
+    strides = (prefix.stride(0), 0 if a.delta is None else a.delta.stride(0),
+               a.blocks.stride(0), a.blocks.stride(1), 0 if out is None else out.stride(0),
                0 if mixed is None else mixed.stride(0), 0 if data is None else data.stride(0))
     aligned = all(t is None or t.data_ptr() % 16 == 0 for t in ptrs) and all(
         n % 16 == 0 for n in (H, *strides))
@@ -308,34 +313,12 @@ def launch(a: AttnResArgs, out, mixed, route: str | None = None,
     if quant is not None and kernel is CHUNKED_KERNEL:
         # The chunked kernel stores the rounded output, then quantizes it from there.
         out = torch.empty((T, H), dtype=prefix.dtype, device=prefix.device)
-    args = (
-        prefix,
-        delta if delta is not None else prefix,
-        a.blocks,
-        a.norm_weight,
-        a.qk_weight,
-        output_norm_weight if output_norm_weight is not None else a.norm_weight,
-        out if out is not None else prefix,
-        mixed if mixed is not None else prefix,
-        fp8_target(data) if data is not None else prefix,
-        quant.scale if quant is not None else prefix,
-        quant.q.scale_ub if quant is not None and quant.q.scale_ub is not None else prefix,
-        H,
-        num_blocks,
-        skip_idx,
-        *strides[:4],
-        out.stride(0) if out is not None else 0,
-        *strides[5:],
-        float(a.eps),
-        float(a.output_norm_eps),
-        *quant_scalars(quant),
-    )
     if pdl:
         cfg = dict(cfg, LAUNCH_PDL=True, launch_pdl=True)  # the constexpr, the launch attribute
     flags = dict(
-        HAS_DELTA=delta is not None,
-        DO_WRITE=do_write,
-        HAS_OUT_NORM=output_norm_weight is not None,
+        HAS_DELTA=a.delta is not None,
+        DO_WRITE=a.block_write_idx >= 0,
+        HAS_OUT_NORM=a.output_norm_weight is not None,
         WRITE_OUT=out is not None or quant is not None,
         WRITE_MIX=mixed is not None,
         BF16_SOFT_RTNE=INTERPRETED and prefix.dtype == torch.bfloat16,
@@ -343,4 +326,34 @@ def launch(a: AttnResArgs, out, mixed, route: str | None = None,
         **cfg,
     )
     with on_device:
-        kernel[(T,)](*args, **flags)
+        kernel[(T,)](*_row_args(a, out, mixed, data, quant, strides, skip_idx), **flags)
+
+
+def _row_args(a: AttnResArgs, out, mixed, data, quant: QuantOut | None, strides,
+              skip_idx: int) -> tuple:
+    """The kernels' positional arguments. A pointer the flags say is not read is passed the
+    prefix (the kernel's signature wants a tensor there), a stride not used 0."""
+    prefix = a.prefix
+    return (
+        prefix,
+        a.delta if a.delta is not None else prefix,
+        a.blocks,
+        a.norm_weight,
+        a.qk_weight,
+        a.output_norm_weight if a.output_norm_weight is not None else a.norm_weight,
+        out if out is not None else prefix,
+        mixed if mixed is not None else prefix,
+        fp8_target(data) if data is not None else prefix,
+        quant.scale if quant is not None else prefix,
+        quant.q.scale_ub if quant is not None and quant.q.scale_ub is not None else prefix,
+        a.prefix.shape[1],
+        a.num_blocks,
+        skip_idx,
+        *strides[:4],
+        # the output's own stride: the chunked kernel's scratch output is not ``strides[4]``
+        out.stride(0) if out is not None else 0,
+        *strides[5:],
+        float(a.eps),
+        float(a.output_norm_eps),
+        *quant_scalars(quant),
+    )

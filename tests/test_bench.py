@@ -43,28 +43,17 @@ def test_op_smoke(tmp_path):
 
 
 @pytest.mark.heavy
-def test_every_section_runs_at_a_tiny_size(tmp_path):
-    """``bench --only op,tap,pass,compile,quant``: each section runs and reports, with no
-    error (what ``bench --quick`` runs, and the compile and quant sections it leaves out)."""
+def test_the_sections_quick_leaves_out_run_at_a_tiny_size(tmp_path):
+    """``bench --only compile,quant``: each section runs and reports, with no error. The
+    sections ``bench --quick`` runs (op, tap, pass) run from README's own command
+    (tests/test_readme_commands.py, at the same tiny size)."""
     out = tmp_path / "bench.json"
-    rc = bench.main(["--quick", "--only", "op,tap,pass,compile,quant", "--T", "1", "--H", "64",
-                     "--blocks", "2", "--dtypes", "float32", "--variants", "read",
-                     "--no-compiled", "--no-peers", "--rounds", "2", "--block-ms", "1",
-                     "--threads", "1", "--tap-layers", "2", "--tap-hidden", "64",
-                     "--tap-T", "8", "--pass-layers", "2", "--layers", "1", "2",
-                     "--quant-T", "1", "8", "--quant-H", "64", "--quant-blocks", "2",
-                     "--no-plot", "--out", str(out)])
+    rc = bench.main(["--quick", "--only", "compile,quant", "--rounds", "2", "--block-ms", "1",
+                     "--threads", "1", "--layers", "1", "2", "--quant-T", "1", "8",
+                     "--quant-H", "64", "--quant-blocks", "2", "--no-plot", "--out", str(out)])
     res = json.loads(out.read_text())
     assert rc == 0 and "errors" not in res, res.get("errors")
-    assert res["sections"] == ["op", "tap", "pass", "compile", "quant"]
-    tap = res["tap"]
-    assert tap["tap_max_rel_err_vs_ground_truth"]["attn_res"] < 1e-5
-    assert tap["tap_max_rel_err_vs_ground_truth"]["vllm_style"] < 1e-5
-    # With the FX graph cache on, a way served from it has no code to read (None).
-    shapes = tap["generated_code"]
-    assert all(s is None or s["loops_over_H"] > 0 for s in shapes.values()), shapes
-    alone = res["pass"]["standalone"]
-    assert alone["taps"] == 2 and alone["nodes"] > 0 and alone["time_s"]["n"] > 0
+    assert res["sections"] == ["compile", "quant"]
     points = res["compile"]["points"]
     assert [p["num_layers"] for p in points] == [1, 2]
     assert all(p["pass_calls"] > 0 and p["total_s"] > 0 for p in points)

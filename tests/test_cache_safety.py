@@ -12,9 +12,10 @@ Asserted: every process gets its own stream's taps; no cache bypass anywhere (th
 manager is a ``CustomGraphPass`` with a ``uuid()``); the first two miss; the third is
 served from the cache (``fxgraph_cache_hit >= 1``) and still gets attn_res taps.
 
-The key also covers the code: each pass's ``uuid()`` hashes its module and every
-kimi_passes module it imports. The last tests point the hash at copies of the sources
-and edit a dependency (``consumer.py``, ``fx_toolkit.py``): the key must change.
+The key also covers the code: each pass's ``uuid()`` hashes its module, every
+kimi_passes module it imports and every package ``__init__`` on the way. The last tests
+point the hash at copies of the sources and edit one: each module of the closure,
+``__init__`` files included, edited alone changes the key.
 """
 
 from __future__ import annotations
@@ -160,10 +161,10 @@ def test_an_edit_to_a_dependency_changes_the_key(source_copies, which, edited):
 
 @pytest.mark.parametrize("which", ["aux_stream", "fusion"])
 def test_an_edit_elsewhere_keeps_the_key(source_copies, which):
-    """The key follows imports: a module no pass imports (the depyf helper) is not in it."""
+    """The key follows imports: a module no pass's import runs (the main job) is not in it."""
     p = PASSES[which]()
     before = p.uuid()
-    path = source_copies("kimi_passes.debug.depyf_dump")
+    path = source_copies("kimi_passes.__main__")
     path.write_text(path.read_text() + "\n# an edit\n")
     assert p.uuid() == before
 
@@ -174,7 +175,8 @@ def test_the_key_names_the_modules_a_rewrite_runs():
                    "kimi_passes.fx.base", "kimi_passes.ops.library"):
         assert needed in aux and needed in fusion, needed
     assert {"kimi_passes.fusion.evaluator", "kimi_passes.fusion.rewrite"} <= set(fusion)
-    assert "kimi_passes.taps.aux_stream" in aux and "kimi_passes.fusion" not in aux
+    assert "kimi_passes.taps.aux_stream" in aux and "kimi_passes.__main__" not in aux
+    assert {"kimi_passes", "kimi_passes.taps"} <= set(aux)  # the packages on the way
     assert "kimi_passes.taps.consumer" in aux
 
 
@@ -198,3 +200,49 @@ def test_every_option_of_the_record_is_in_the_managers_key():
     keys = {pass_manager(c).uuid() for c in [base, *flipped]}
     assert len(keys) == len(flipped) + 1
     assert pass_manager(base).uuid() == pass_manager(KimiPassConfig()).uuid()  # stable
+
+
+
+def _closure() -> list[str]:
+    """Every module in the manager's key (each of its passes' closure) and every package
+    ``__init__`` on the way to one, named here, not by the code under test."""
+    manager = PASSES["manager"]()
+    passes = manager.passes + ([manager.lowering] if manager.lowering is not None else [])
+    modules = {m for p in passes for m in p.source_modules()}
+    return sorted(modules | {m.rsplit(".", i)[0] for m in modules
+                             for i in range(1, m.count(".") + 1)})
+
+
+def test_the_closure_holds_every_package_init_on_the_way():
+    """Importing ``a.b.c`` runs ``a`` and ``a.b`` first: their ``__init__`` is in the key."""
+    for make in (PASSES["aux_stream"], PASSES["fusion"]):
+        modules = set(make().source_modules())
+        missing = {p for m in modules for p in cache_key.packages_above(m)} - modules
+        assert not missing, f"{type(make()).__name__}'s key misses the packages {missing}"
+        assert {"kimi_passes", "kimi_passes.taps"} <= modules
+
+
+@pytest.fixture(scope="module")
+def keys_now():
+    """Each pass and its key on the sources as they are."""
+    passes = {name: make() for name, make in PASSES.items()}
+    return passes, {name: p.uuid() for name, p in passes.items()}
+
+
+@pytest.mark.parametrize("edited", _closure())
+def test_an_edit_to_any_module_in_the_closure_changes_the_key(keys_now, tmp_path, monkeypatch,
+                                                               edited):
+    """Each module (``__init__`` files included) edited alone changes the key of every pass
+    whose closure holds it; the manager's key holds them all. Only the edited module is
+    read from a copy (the others keep their parsed imports: the test stays cheap)."""
+    passes, before = keys_now
+    real = cache_key.module_path
+    copy = tmp_path / f"{edited}.py"
+    copy.write_bytes(real(edited).read_bytes() + b"\n# an edit\n")
+    monkeypatch.setattr(cache_key, "module_path", lambda name: copy if name == edited
+                        else real(name))
+    after = {name: p.uuid() for name, p in passes.items()}
+    assert after["manager"] != before["manager"], f"the manager's key ignores {edited}"
+    for name in ("aux_stream", "fusion"):
+        if edited in passes[name].source_modules():
+            assert after[name] != before[name], f"{name}'s key ignores an edit to {edited}"

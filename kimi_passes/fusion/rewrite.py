@@ -181,27 +181,8 @@ def rewrite(graph: Graph, m: MixtureMatch, tapped: list,
     H = m.sizes[m.axes[-1]]
     emit = _Emitter(graph, out, [r.tensor for r in runs], differentiable)
 
-    # The weights: vectors over H (peeled to 1-D) and scalar factors.
-    vecs: list[Node] = []
-    scalars: list[Node] = []
-    for v in m.weights:
-        (vecs if same_size(numel(v), H) else scalars).append(v)
-    vecs = [_peel_vector(v, H) for v in vecs]
-    vecs = [v if len(shape_of(v)) == 1 else emit(aten.reshape.default, v, [emit.size(H)])
-            for v in vecs]
-    if not vecs:
-        raise NoMatch("no pseudo-query vector")
-
-    bank_prefix = (
-        not scalars and m.coefficient == 1.0 and len(vecs) <= 2
-        and all(dtype_of(v) == src_dtype for v in vecs)
-        and runs[-1].single and len(shape_of(runs[-1].tensor)) == 2
-        and dtype_of(runs[-1].tensor) == src_dtype
-        and (len(runs) == 1 or (len(runs) == 2 and not runs[0].single
-                                and runs[0].start == 0 and runs[0].dim == 1
-                                and len(shape_of(runs[0].tensor)) == 3
-                                and dtype_of(runs[0].tensor) == src_dtype))
-    )
+    vecs, scalars = _weights(emit, m, H)
+    bank_prefix = _bank_prefix(m, vecs, scalars, src_dtype)
     # attn_res_mix returns the sources' dtype. A site that wants its mixture wider uses it
     # only when every use rounds back anyway, or when an aux tap reads the site (the
     # aux-stream pass finds attn_res_mix consumers; the output norm then sees the mixture
@@ -225,6 +206,38 @@ def rewrite(graph: Graph, m: MixtureMatch, tapped: list,
     new = _relayout(emit, mixed, src_shape, src_axes, m.out_dims, shape_of(out), m.sizes)
     out.replace_all_uses_with(new)
     return Rewritten(FusedSite(mixed.name, op, count, out.name), fused, out, new)
+
+
+def _weights(emit: _Emitter, m: MixtureMatch, H) -> tuple[list[Node], list[Node]]:
+    """The weights: vectors over H (peeled to 1-D) and scalar factors."""
+    vecs: list[Node] = []
+    scalars: list[Node] = []
+    for v in m.weights:
+        (vecs if same_size(numel(v), H) else scalars).append(v)
+    vecs = [_peel_vector(v, H) for v in vecs]
+    vecs = [v if len(shape_of(v)) == 1 else emit(aten.reshape.default, v, [emit.size(H)])
+            for v in vecs]
+    if not vecs:
+        raise NoMatch("no pseudo-query vector")
+    return vecs, scalars
+
+
+def _bank_prefix(m: MixtureMatch, vecs: list[Node], scalars: list[Node],
+                 src_dtype: torch.dtype) -> bool:
+    """The mixture is ``attn_res_mix``'s: a 2-D prefix, optionally after a ``[T, nb, H]``
+    bank read from slot 0, all in the sources' dtype, with at most two weight vectors of
+    that dtype, no scalar factor and coefficient 1."""
+    runs = m.sources
+    return (
+        not scalars and m.coefficient == 1.0 and len(vecs) <= 2
+        and all(dtype_of(v) == src_dtype for v in vecs)
+        and runs[-1].single and len(shape_of(runs[-1].tensor)) == 2
+        and dtype_of(runs[-1].tensor) == src_dtype
+        and (len(runs) == 1 or (len(runs) == 2 and not runs[0].single
+                                and runs[0].start == 0 and runs[0].dim == 1
+                                and len(shape_of(runs[0].tensor)) == 3
+                                and dtype_of(runs[0].tensor) == src_dtype))
+    )
 
 
 def _emit_mix(emit: _Emitter, m: MixtureMatch, runs, vecs, H, src_dtype):

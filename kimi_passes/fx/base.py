@@ -5,8 +5,9 @@ TORCH_LOGS before and after (``<phase>.<index>.<Pass>.<before|after>``, phase ``
 or, for the fusion of training graphs, ``pre_autograd``), times it
 (``last_time_s``) and logs what ``run`` reports at INFO on logger ``kimi_passes``.
 
-``uuid()`` hashes the source of the pass's module and of every kimi_passes module it
-imports, directly or not (``cache_key.dependencies``), with the pass name and every
+``uuid()`` hashes the source of the pass's module and of every kimi_passes module its
+import runs, directly or not, package ``__init__`` files included
+(``cache_key.dependencies``), with the pass name and every
 option, so Inductor's FX graph cache stays on and never serves a graph compiled by other
 code or under other options.
 """

@@ -5,9 +5,11 @@ and on each custom pass's ``uuid()``. A pass whose key missed a module its rewri
 (an edit to ``taps/consumer.py`` changes which node a tap reads) would get a stale graph
 served. So the key is not a hand-kept file list: ``dependencies(module)`` reads the
 module's source, follows every ``kimi_passes.*`` import in it (module level or inside a
-function, absolute or relative), and repeats on what it finds. The ops package is in
-every pass's closure (the passes emit and propagate ``torch.ops.kimi.*``), so the key
-also changes with the ops' schemas and fake kernels.
+function, absolute or relative) and every package ``__init__`` importing it runs first
+(a package's ``__init__`` runs, with its imports, whenever one of its modules is
+imported), and repeats on what it finds. The ops package is in every pass's closure (the
+passes emit and propagate ``torch.ops.kimi.*``), so the key also changes with the ops'
+schemas and fake kernels.
 """
 
 from __future__ import annotations
@@ -87,8 +89,16 @@ def imports_of(name: str, locate=None) -> tuple[str, ...]:
     return result
 
 
+def packages_above(name: str) -> list[str]:
+    """The packages importing ``name`` runs first (``a.b.c``: ``a``, ``a.b``)."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
 def dependencies(module: str, locate=None) -> list[str]:
-    """``module`` and every kimi_passes module it imports, directly or not, sorted."""
+    """``module`` and every kimi_passes module importing it runs, sorted: the modules it
+    imports, directly or not, and each package ``__init__`` on the way to any of them
+    (importing ``a.b.c`` runs ``a`` and ``a.b`` first, and so whatever they import)."""
     seen, todo = set(), [module]
     while todo:
         name = todo.pop()
@@ -96,6 +106,7 @@ def dependencies(module: str, locate=None) -> list[str]:
             continue
         seen.add(name)
         todo.extend(imports_of(name, locate))
+        todo.extend(p for p in packages_above(name) if _in_package(p))
     return sorted(seen)
 
 

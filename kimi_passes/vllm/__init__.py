@@ -21,7 +21,7 @@ from typing import Any
 
 #: The names read from ``compile_pass`` on first use (needs vLLM).
 COMPILE_PASS_NAMES = (
-    "InductorPass", "KimiVllmPass", "aux_stream_pass", "attn_res_stream_pass",
+    "InductorPass", "KimiVllmPass", "attn_res_stream_pass",
     "compile_config_entries", "make_vllm_pass", "prefix_stream_pass", "served_drafter",
 )
 

@@ -31,12 +31,9 @@ except ImportError as e:  # pragma: no cover - exercised in a process without vL
         "kimi_passes.AuxStreamPass without vLLM"
     ) from e
 
-try:  # vLLM from early 2026 on
-    from vllm.compilation.passes.inductor_pass import InductorPass
-except ImportError:  # older vLLM
-    from vllm.compilation.inductor_pass import InductorPass
-
 import torch
+from vllm.compilation.passes.inductor_pass import InductorPass
+from vllm.config import get_current_vllm_config_or_none
 
 from kimi_passes.config.drafter import DrafterTaps, drafter_capture_ids
 from kimi_passes.config.pass_config import KimiPassConfig
@@ -102,9 +99,6 @@ class KimiVllmPass(InductorPass):
     def is_applicable_for_range(self, compile_range) -> bool:
         return True
 
-    def is_applicable_for_shape(self, shape) -> bool:  # vLLM before compile ranges
-        return True
-
     def __deepcopy__(self, memo):
         # vLLM deep-copies its config; a fresh manager for the same record is equal.
         return KimiVllmPass(self.config, self.serve_drafter)
@@ -121,7 +115,7 @@ AUX_METHODS = ("eagle3", "dflash", "dspark", "extract_hidden_states")
 
 def served_drafter() -> DrafterTaps | None:
     """The capture ids of the drafter vLLM's current config serves, if it reads any."""
-    config = _current_config()
+    config = get_current_vllm_config_or_none()
     spec = getattr(config, "speculative_config", None)
     draft = getattr(spec, "draft_model_config", None)
     method = getattr(spec, "method", None)
@@ -134,22 +128,13 @@ def served_drafter() -> DrafterTaps | None:
         source=f"vLLM serves ({method}: speculative_config.draft_model_config.hf_config)")
 
 
-def _current_config():
-    """vLLM's config of the compile in progress (None outside one, or in an older vLLM)."""
-    try:
-        from vllm.config import get_current_vllm_config_or_none
-    except ImportError:  # older vLLM: the messages then name every possible cause
-        return None
-    return get_current_vllm_config_or_none()
-
-
 def _splitting_ops() -> tuple[str, ...] | None:
     """The ops vLLM split the graph at, when it compiles it piecewise (None: one graph)."""
-    config = _current_config()
+    config = get_current_vllm_config_or_none()  # None outside a vLLM compile
     if config is None:
         return None
     cc = config.compilation_config
-    if getattr(cc, "use_inductor_graph_partition", False) or not cc.splitting_ops:
+    if cc.use_inductor_graph_partition or not cc.splitting_ops:
         return None
     return tuple(cc.splitting_ops)
 
@@ -173,9 +158,6 @@ def compile_config_entries(aux_stream: str | None = None, **options) -> dict[str
 #: For the string route (see the module docstring); fixed streams, default options.
 attn_res_stream_pass = KimiVllmPass(KimiPassConfig(aux_stream="attn_res"))
 prefix_stream_pass = KimiVllmPass(KimiPassConfig(aux_stream="prefix"))
-
-#: The factory's earlier name, kept for the code that imports it.
-aux_stream_pass = make_vllm_pass
 
 # vLLM's resolver reads kimi_passes.__dict__ (see the module docstring).
 vars(sys.modules["kimi_passes"]).update(attn_res_stream_pass=attn_res_stream_pass,
