@@ -10,8 +10,7 @@ The verifier is a tiny 8-layer Qwen3 named ``kimi-k3-tiny``, read from a local f
 that name (nothing is fetched): the draft ``transformer_layer_config`` is speculators'
 ``create_transformer_layer_config`` of it (its ``num_hidden_layers`` is the DRAFT's depth),
 and the aux layer ids pass ``resolve_target_layer_ids`` (id 8 == num_layers: dflash).
-``transformers_version`` changes with the environment: a comparison drops
-``VOLATILE_KEYS`` from both sides (``strip_volatile``).
+``transformers_version`` changes with the environment: comparisons drop ``VOLATILE_KEYS``.
 
 Made with speculators 0.9.0 and transformers 5.24.0 (the project venv), speculators and
 the modules it imports installed without their dependencies (its full install pins
