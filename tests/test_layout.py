@@ -402,7 +402,11 @@ def test_the_readme_options_table_is_the_records():
 #: that states the invariant (the rest is design.md's), a function read without scrolling,
 #: docs read in a sitting. A Triton kernel's body may be longer than a function.
 MODULE_LINES, DOCSTRING_LINES, FUNCTION_LINES = 450, 25, 60
-DOC_LINES = {"docs/design.md": 600, "BENCHMARKS.md": 500}
+#: Docs read in a sitting; design.md and BENCHMARKS.md held 5% under their old bounds.
+DOC_LINES = {"README.md": 220, "docs/testing.md": 300, "docs/design.md": 570,
+             "BENCHMARKS.md": 475}
+#: The README line by which a K3 user sees the command they run.
+README_VLLM_COMMAND_BY = 40
 
 
 def bounded_files(part: str) -> list[Path]:
@@ -469,7 +473,7 @@ def over_bounds(path: Path) -> list[str]:
 def test_the_house_bounds(part):
     """Every package module (kimi_passes/, ops/, graphs/) and every tool (tools/**.py) at
     most 450 lines, with a module docstring of at most 25 and no function over 60 lines
-    other than Triton kernels; docs/design.md at most 600 lines, BENCHMARKS.md 500."""
+    other than Triton kernels; the docs within ``DOC_LINES``."""
     if part == "docs":
         over = [f"{path}: {n} lines (at most {bound})" for path, bound in DOC_LINES.items()
                 if (n := len((ROOT / path).read_text().splitlines())) > bound]
@@ -492,3 +496,42 @@ def test_the_bounds_see_a_long_function_and_spare_a_kernel(tmp_path, monkeypatch
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert over_bounds(f) == [f"tools/t.py:4: long() has {FUNCTION_LINES + 1} lines (at most "
                               f"{FUNCTION_LINES}, a Triton kernel aside: split it)"]
+
+
+# --------------------------------------------------------------------------- the README's map
+
+
+def test_the_readme_shows_the_vllm_command_first_and_maps_the_tree():
+    """A K3 user's ``vllm serve`` command within the README's first screen; its Layout
+    names every subpackage (kimi_passes/, tests/helpers/, tools/) and every vLLM module."""
+    text = (ROOT / "README.md").read_text()
+    first = text.splitlines()[:README_VLLM_COMMAND_BY]
+    assert any("vllm serve" in line for line in first), (
+        f"README: no `vllm serve` command in its first {README_VLLM_COMMAND_BY} lines")
+    layout = text.split("## Layout", 1)[1]
+    want = [f"{d.name}/" for d in sorted((ROOT / "kimi_passes").iterdir())
+            if (d / "__init__.py").is_file()]
+    want += [f"{d.name}/" for d in sorted((ROOT / "tools").iterdir())
+             if (d / "__init__.py").is_file()]
+    want += ["helpers/"] + [f.name for f in sorted((ROOT / "kimi_passes" / "vllm").glob("*.py"))
+                            if f.name != "__init__.py"]
+    missing = [w for w in want if w not in layout]
+    assert not missing, f"README's Layout does not name {missing}: add a line for each"
+
+
+def test_no_test_module_imports_another():
+    """Shared test code lives in tests/helpers/, never in a test module."""
+    tests = ROOT / "tests"
+    names = {f.stem for f in tests.glob("test_*.py")} | {"conftest"}
+    found = []
+    for f in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                mods = [node.module]
+            else:
+                continue
+            found += [f"{f.relative_to(tests)}:{node.lineno} imports {m}" for m in mods
+                      if m.split(".")[0] in names]
+    assert not found, "\n".join(found) + "\n(move what they share to tests/helpers/)"
