@@ -10,9 +10,9 @@ set-up step.
 from __future__ import annotations
 
 import os
-import re
 
 import pytest
+from helpers.k3 import main_job_rows
 
 import kimi_passes.__main__
 from kimi_passes.__main__ import DRIFT_MARGIN, TOLERANCE, default_taps, main, make_stages
@@ -20,16 +20,6 @@ from kimi_passes.__main__ import DRIFT_MARGIN, TOLERANCE, default_taps, main, ma
 FAST = ["--aten-fallback", "--layers", "3", "--hidden", "16", "--heads", "2", "--tokens", "6"]
 #: The README's bf16 command.
 README_BF16 = ["--layers", "8", "--block-size", "3", "--taps", "0,3,6,8", "--dtype", "bf16"]
-
-
-def rows(out: str) -> dict[int, list[str]]:
-    """The tap table's rows by capture id (columns split on runs of 2+ spaces)."""
-    table = {}
-    for line in out.splitlines():
-        cells = re.split(r"\s{2,}", line.strip())
-        if cells and cells[0].isdigit() and len(cells) >= 10:
-            table[int(cells[0])] = cells
-    return table
 
 
 def test_boundary_tap_on_a_non_final_stage_is_refused(capsys):
@@ -71,7 +61,7 @@ def test_a_tap_reading_the_prefix_fails_the_bf16_check(monkeypatch, capsys):
     monkeypatch.setattr(kimi_passes.__main__, "_compile_and_run", prefix_taps)
     assert main(README_BF16) == 1
     out = capsys.readouterr().out
-    table = rows(out)
+    table = main_job_rows(out)
     assert sorted(table) == [0, 3, 6, 8], out
     assert table[0][-1] == "yes" and float(table[0][5]) == 0.0, out
     for k in (3, 6, 8):

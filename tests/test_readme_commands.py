@@ -27,6 +27,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+from helpers.k3 import main_job_rows
 
 from kimi_passes.__main__ import main
 
@@ -122,19 +123,9 @@ def run(argv: list[str], env: dict[str, str], tmp_path: Path, monkeypatch) -> in
         return e.code if isinstance(e.code, int) else 1
 
 
-def rows(out: str) -> dict[int, list[str]]:
-    """The tap table's rows by capture id (columns split on runs of 2+ spaces)."""
-    table = {}
-    for line in out.splitlines():
-        cells = re.split(r"\s{2,}", line.strip())
-        if cells and cells[0].isdigit() and len(cells) >= 10:
-            table[int(cells[0])] = cells
-    return table
-
-
 def check_main_job(argv: list[str], out: str, tmp_path: Path) -> None:
     """What the main job's output must show for the flags on the line."""
-    table = rows(out)
+    table = main_job_rows(out)
     assert table and all(r[-1] == "yes" for r in table.values()), out
     assert f"result: all {len(table)} taps agree" in out
     assert "graph breaks: 0" in out and "recompiles: 0" in out and "compile time:" in out

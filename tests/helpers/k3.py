@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 import kimi_passes
@@ -55,3 +57,14 @@ def rel_err(got, want):
     err = (got.double() - want.double()).abs().max().item()
     scale = want.double().abs().max().item()
     return err / scale if scale else err
+
+
+def main_job_rows(out: str) -> dict[int, list[str]]:
+    """The main job's tap table (``python -m kimi_passes``), its rows by capture id
+    (columns split on runs of 2+ spaces)."""
+    table = {}
+    for line in out.splitlines():
+        cells = re.split(r"\s{2,}", line.strip())
+        if cells and cells[0].isdigit() and len(cells) >= 10:
+            table[int(cells[0])] = cells
+    return table
