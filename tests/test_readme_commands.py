@@ -27,7 +27,7 @@ import shlex
 from pathlib import Path
 
 import pytest
-from helpers.k3 import main_job_rows
+from helpers.k3 import TINY_BENCH, main_job_rows
 
 from kimi_passes.__main__ import main
 
@@ -35,11 +35,6 @@ ROOT = Path(__file__).resolve().parent.parent
 PYTHON = ".venv/bin/python"
 #: What the rules skip: the set-up lines and vLLM's own command.
 SKIPPED = (re.compile(r"^python3 -m venv "), re.compile(r"\bvllm serve\b"))
-#: ``bench --quick``'s sections at the smallest shapes (each section's own flags).
-TINY_BENCH = ["--T", "1", "--H", "64", "--blocks", "2", "--dtypes", "float32",
-              "--variants", "read", "--no-compiled", "--no-peers", "--rounds", "2",
-              "--block-ms", "1", "--threads", "1", "--tap-layers", "2", "--tap-hidden", "64",
-              "--tap-T", "8", "--pass-layers", "2", "--no-plot"]
 
 
 def bash_lines(text: str) -> list[str]:

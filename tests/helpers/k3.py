@@ -68,3 +68,11 @@ def main_job_rows(out: str) -> dict[int, list[str]]:
         if cells and cells[0].isdigit() and len(cells) >= 10:
             table[int(cells[0])] = cells
     return table
+
+
+#: ``bench --quick``'s sections (op, tap, pass) at the smallest shapes, each section's own
+#: flags: README's ``bench --quick`` (test_readme_commands.py) and test_bench.py run them.
+TINY_BENCH = ["--T", "1", "--H", "64", "--blocks", "2", "--dtypes", "float32",
+              "--variants", "read", "--no-compiled", "--no-peers", "--rounds", "2",
+              "--block-ms", "1", "--threads", "1", "--tap-layers", "2", "--tap-hidden", "64",
+              "--tap-T", "8", "--pass-layers", "2", "--no-plot"]
