@@ -18,7 +18,7 @@ from helpers.op import DTYPES, OP_TOL, clone_args, make_args, mix_args
 from torch._inductor.utils import run_and_get_code
 
 from kimi_passes import AuxStreamPass, make_kimi_backend, pass_manager
-from kimi_passes.graphs.k3 import K3Config, K3Model
+from kimi_passes.graphs.k3 import K3Model
 
 pytestmark = pytest.mark.usefixtures("caches_off")
 OPS = torch.ops.kimi
@@ -195,9 +195,13 @@ def test_aux_stream_pass_alone_warns_once_naming_the_manager(monkeypatch):
 @pytest.mark.heavy
 @pytest.mark.codegen
 def test_aoti_package_of_the_reference_k3(tmp_path):
-    """AOTInductor export with the pass manager: the package's taps are the mixtures."""
-    model = K3Model(K3Config.tiny()).eval()
-    ids = token_ids(K3Config.tiny(), 16)
+    """AOTInductor export with the pass manager: the package's taps are the mixtures.
+
+    Two layers (a block write, a layer adding its delta, the output aggregation) with a tap
+    at each kind of consumer: the package's C++ is compiled whole, so each layer costs."""
+    cfg = small_config(2, 2, taps=(0, 1, 2))
+    model = K3Model(cfg).eval()
+    ids = token_ids(cfg, 16)
     ep = torch.export.export(model, (ids,), strict=False)
     path = torch._inductor.aoti_compile_and_package(
         ep, package_path=str(tmp_path / "k3.pt2"),
