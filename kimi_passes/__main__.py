@@ -275,14 +275,19 @@ def _stage(args, cfg, start: int, end: int, inputs: _Chains, found: _Stages):
     for k, got, truth, tol, legacy in zip(model.capture_ids, taps, want, tols, prefix_taps,
                                           strict=True):
         r = rewrites.get(k)
-        err = (got.float() - truth.float()).abs().max().item()
+        err = _max_abs(got, truth)
         cos = F.cosine_similarity(got.float().flatten(), legacy.float().flatten(), dim=0).item()
         found.rows.append(TapRow(
             k, name, r.consumer if r else "(no rewrite recorded)",
             r.stream if r else args.stream, r.how() if r else "?", err, reference, cos, tol))
     if model.is_last:
-        found.output_err = (out.float() - outs[0].float()).abs().max().item()
+        found.output_err = _max_abs(out, outs[0])
     return (out, *outs)
+
+
+def _max_abs(got, want) -> float:
+    """The main job's distance: max abs error, in fp32 (its tolerances are stated in it)."""
+    return (got.float() - want.float()).abs().max().item()
 
 
 def _compile_and_run(args, model, name: str, inputs: tuple, found: _Stages):
@@ -333,7 +338,7 @@ def _references(args, model, inputs: _Chains):
     twin = copy.deepcopy(model).float()  # the weights as the model holds them, in fp32
     truth_out, truth_prefix = twin(*inputs[2])
     truth = twin.ground_truth(*inputs[2])[1] if attn_res else truth_prefix
-    tols = [max(tol, DRIFT_MARGIN * (e.float() - t).abs().max().item())
+    tols = [max(tol, DRIFT_MARGIN * _max_abs(e, t))
             for e, t in zip(eager, truth, strict=True)]
     return ((ref_out, truth_out), truth, tols,
             "fp32 ground truth" if attn_res else "fp32 prefix", prefix_taps)

@@ -33,7 +33,7 @@ import torch
 from kimi_passes.bench.harness import OP_TOL, Timer, rel_err, summary, verdict
 from kimi_passes.graphs import K3Config, K3Model
 from kimi_passes.vllm import k3_eager, k3_route
-from tools.gpu.report import emit
+from tools.gpu.report import emit, skip
 
 MODES = ("off", "on", "route")
 
@@ -159,15 +159,13 @@ def main(argv=None) -> int:
     if args.dry_run:
         args.device, args.hidden, args.T = "cpu", 64, [1, 8]
     elif not torch.cuda.is_available():
-        print(json.dumps({"skip": "no CUDA device (use --dry-run on CPU)"}))
-        return 3
+        return skip("no CUDA device (use --dry-run on CPU)", args.json)
     try:
         from kimi_passes.vllm.peer import load_peer
 
         peer = load_peer("nvidia")
     except Exception as e:  # noqa: BLE001  (any loading failure is this step's skip)
-        print(json.dumps({"skip": f"vLLM's K3 attn_res is not available: {e}"}))
-        return 3
+        return skip(f"vLLM's K3 attn_res is not available: {e}", args.json)
     with torch.inference_mode():
         rows = rows_for(args, peer.attn_res, peer.source)
     if args.json:

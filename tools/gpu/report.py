@@ -2,7 +2,8 @@
 
 ``summary(doc)`` turns results.json's document into the text summary (the steps, their
 reasons, MISS then MET rows, failed tests, other rows, what a dry run faked).
-``emit(row)`` prints a step's MET / MISS row as the runner reads it. ``junit_suites``
+``emit(row)`` prints a step's MET / MISS row as the runner reads it, ``skip(why)`` its
+skip. ``junit_suites``
 gives a step's JUnit suites: pytest's file per shard, or one made from the ``-v`` lines
 where pytest was killed before writing it. ``fill_benchmarks(doc)``
 prints BENCHMARKS.md's four CUDA tables from a results.json
@@ -11,6 +12,7 @@ prints BENCHMARKS.md's four CUDA tables from a results.json
 
 from __future__ import annotations
 
+import json
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -29,6 +31,16 @@ def emit(row: dict) -> dict:
         line += f", ratio {row['ratio']:.2f}"
     print(line + (f": {row['reason']}" if row.get("reason") else ""), flush=True)
     return row
+
+
+def skip(why: str, json_path: str | None = None) -> int:
+    """A step's skip as the runner reads one: ``{"skip": why}`` printed (and written to the
+    step's JSON file, where it has one). Returns the skip's exit status, 3."""
+    line = json.dumps({"skip": why})
+    print(line, flush=True)
+    if json_path:
+        Path(json_path).write_text(line)
+    return 3
 
 
 def summary(doc: dict) -> str:

@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tools.gpu.report import emit
+from tools.gpu.report import emit, skip
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -200,20 +200,10 @@ def unrouted_check(fw: Forwards, T: int) -> list[dict]:
     return out
 
 
-def skip(why: str, json_path: str | None) -> int:
-    """A skip as the GPU check reads one: ``{"skip": why}`` printed (and in the JSON
-    file), exit 3."""
-    line = json.dumps({"skip": f"vllm_k3: {why}"})
-    print(line)
-    if json_path:
-        Path(json_path).write_text(line)
-    return 3
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if importlib.util.find_spec("vllm") is None:
-        return skip("vLLM is not installed here (the rows run vLLM's installed K3 code: "
+        return skip("vllm_k3: vLLM is not installed here (the rows run vLLM's installed K3 code: "
                     "bash tools/install_vllm.sh where a registry is reachable)", args.json)
     if args.device == "cpu":
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
