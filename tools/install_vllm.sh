@@ -35,6 +35,14 @@ start=$(date +%s)
 reqs=$(mktemp)
 trap 'rm -f "$reqs"' EXIT
 .venv/bin/python -m tools.vllm_requires requirements "$version" "$reqs"
+# A swap: the other vLLM goes first, so that no step between sees one vLLM with the other's
+# requirements (pip would report that as a conflict, and pip check below holds the end).
+have=$(.venv/bin/python -c "import importlib.metadata as m; print(m.version('vllm'))" \
+       2>/dev/null || true)
+if [[ -n $have && $have != "$version" ]]; then
+    echo "swapping vLLM $have for $version"
+    .venv/bin/pip uninstall -q -y vllm
+fi
 .venv/bin/pip install -q --no-compile -c "$pins" -r "$reqs"
 .venv/bin/pip install -q --no-compile --no-deps -c "$pins" "vllm==$version"
 .venv/bin/python -m tools.vllm_requires check "$version"
