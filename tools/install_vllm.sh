@@ -37,8 +37,12 @@ trap 'rm -f "$reqs"' EXIT
 .venv/bin/python -m tools.vllm_requires requirements "$version" "$reqs"
 # A swap: the other vLLM goes first, so that no step between sees one vLLM with the other's
 # requirements (pip would report that as a conflict, and pip check below holds the end).
-have=$(.venv/bin/python -c "import importlib.metadata as m; print(m.version('vllm'))" \
-       2>/dev/null || true)
+have=$(.venv/bin/python -c "
+import importlib.metadata as m
+try:
+    print(m.version('vllm'))
+except m.PackageNotFoundError:
+    pass")
 if [[ -n $have && $have != "$version" ]]; then
     echo "swapping vLLM $have for $version"
     .venv/bin/pip uninstall -q -y vllm
