@@ -8,11 +8,12 @@ forward must call the op for the aux captures to be found.
 
 Invariant: ``register`` (the entry point ``kimi_passes``, which vLLM calls in every
 process) acts **only when ``$KIMI_PASSES_AUX_STREAM`` is set** (a bad value raises); unset,
-it imports nothing and changes nothing. Set, it rebinds those names to ``vllm_attn_res`` /
-``vllm_attn_res_amd`` and wraps four methods of each imported ``KimiLinearModel``
-(``_install``): the capture method and ``forward`` (``k3_eager``: the eager route),
-``_set_aux_hidden_state_layers`` (a stage-crossing capture id refused) and ``__init__``
-(``k3_plan``: served or refused at startup). vLLM's files are never edited;
+it imports nothing and changes nothing. Set, it warns on an untested vLLM (``versions``),
+refuses a changed K3 before routing anything (``k3_surface``), then rebinds those names to
+``vllm_attn_res`` / ``vllm_attn_res_amd`` and wraps four methods of each imported
+``KimiLinearModel`` (``_install``): the capture method and ``forward`` (``k3_eager``: the
+eager route), ``_set_aux_hidden_state_layers`` (a stage-crossing capture id refused) and
+``__init__`` (``k3_plan``: served or refused at startup). vLLM's files are never edited;
 ``unroute_attn_res`` puts everything back.
 
 Traced by Dynamo, every call is a kimi op (the pass needs them). Eager, only a capture's
@@ -40,7 +41,7 @@ import torch
 import kimi_passes.ops  # noqa: F401  (registers torch.ops.kimi)
 from kimi_passes.config.stream import ENV_VAR, resolve_aux_stream
 from kimi_passes.ops.attn_res_args import AttnResArgs, record_signature
-from kimi_passes.vllm import k3_eager, k3_plan
+from kimi_passes.vllm import k3_eager, k3_plan, k3_surface, versions
 
 log = logging.getLogger(__name__)
 
@@ -211,8 +212,10 @@ def register() -> None:
     """The ``vllm.general_plugins`` entry point: route K3's ``attn_res`` when enabled."""
     if not enabled():
         return
+    versions.warn_if_untested()
     # The package picks the platform's implementation (NVIDIA, or ROCm's amd.linear).
     importlib.import_module("vllm.models.kimi_k3")
+    k3_surface.check(ROUTES)  # a changed K3 is refused before anything is routed
     routed = route_attn_res()
     _install(resolve_aux_stream())
     if not routed:
