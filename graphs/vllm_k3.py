@@ -1,4 +1,4 @@
-"""vLLM 0.33.0's own Kimi K3 forward code, as installed, assembled on small stand-ins.
+"""vLLM's own Kimi K3 forward code (0.33.0, 0.34.0), as installed, on small stand-ins.
 
 vLLM's code objects run unmodified: NVIDIA (``vllm/models/kimi_k3/nvidia/model.py``)
 ``KimiLinearModel.forward`` and the methods it calls, ROCm (``amd/linear.py``) the same,

@@ -1,4 +1,4 @@
-"""vLLM 0.33.0's own Kimi K3 forward, as installed, compiled with the kimi passes (CPU).
+"""vLLM's own Kimi K3 forward (0.33.0, 0.34.0), as installed, compiled with the kimi passes (CPU).
 
 The installed NVIDIA (``nvidia/model.py``) and ROCm (``amd/linear.py``) forward code runs
 unmodified (``kimi_passes.graphs.vllm_k3``, graphs/vllm_k3.py, names the stand-ins:
@@ -6,7 +6,9 @@ attention, the MoE/MLP, the embedding, the norm/projection weight holders, the P
 vLLM's GPU-only Triton import). vLLM's ``attn_res`` reaches the graph the way users get it:
 the ``vllm.general_plugins`` entry point ``kimi_passes`` (``kimi_passes.vllm.k3_route``),
 loaded by vLLM's own ``load_general_plugins`` with ``$KIMI_PASSES_AUX_STREAM`` set
-(tests/helpers/vllm_harness.py ``load_vllm_plugins``).
+(tests/helpers/vllm_harness.py ``load_vllm_plugins``). vLLM's configs are built on a CUDA
+platform stand-in and its served drafter is its ``SpeculativeConfig`` without a checkpoint
+(the harness's ``new_vllm_config``, ``speculative_config``).
 
 The truth, for every aux state: the installed NVIDIA code's own eager output with
 ``VLLM_KIMI_K3_AUX_ATTN_RES_STREAM=1`` for the same weights (its capture k is layer k's
