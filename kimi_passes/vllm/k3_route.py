@@ -8,12 +8,11 @@ forward must call the op for the aux captures to be found.
 
 Invariant: ``register`` (the entry point ``kimi_passes``, which vLLM calls in every
 process) acts **only when ``$KIMI_PASSES_AUX_STREAM`` is set** (a bad value raises); unset,
-it imports nothing and changes nothing. Set, it warns on an untested vLLM (``versions``),
-refuses a changed K3 before routing anything (``k3_surface``), then rebinds those names to
-``vllm_attn_res`` / ``vllm_attn_res_amd`` and wraps four methods of each imported
-``KimiLinearModel`` (``_install``): the capture method and ``forward`` (``k3_eager``: the
-eager route), ``_set_aux_hidden_state_layers`` (a stage-crossing capture id refused) and
-``__init__`` (``k3_plan``: served or refused at startup). vLLM's files are never edited;
+it imports nothing and changes nothing. Set, it rebinds those names to ``vllm_attn_res`` /
+``vllm_attn_res_amd`` and wraps four methods of each imported ``KimiLinearModel``
+(``_install``): the capture method and ``forward`` (``k3_eager``: the eager route),
+``_set_aux_hidden_state_layers`` (a stage-crossing capture id refused) and ``__init__``
+(``k3_plan``: served or refused at startup). vLLM's files are never edited;
 ``unroute_attn_res`` puts everything back.
 
 Traced by Dynamo, every call is a kimi op (the pass needs them). Eager, only a capture's
@@ -209,7 +208,8 @@ def enabled() -> bool:
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: route K3's ``attn_res`` when enabled."""
+    """The ``vllm.general_plugins`` entry point: route K3's ``attn_res`` when enabled, once
+    an untested vLLM is named (``versions``) and a changed K3 refused (``k3_surface``)."""
     if not enabled():
         return
     versions.warn_if_untested()
