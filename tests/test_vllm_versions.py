@@ -220,9 +220,22 @@ def test_k3_architectures_as_vllm_registers_them():
         assert plan.route == "eager" and "(breakable CUDA graphs)" in plan.why, (arch, plan)
 
 
-def _drafter(method: str, **hf):
+DFLASH2 = "vllm.v1.worker.gpu.spec_decode.dflash2.config.DFlash2SpeculatorConfig"
+
+
+def _drafter(method: str, speculator_class: str | None = None, **hf):
     ids = {"eagle_aux_hidden_state_layer_ids": [1, 3], **hf}
-    return vh.speculative_config(method, types.SimpleNamespace(to_dict=lambda: ids, **ids))
+    return vh.speculative_config(method, types.SimpleNamespace(to_dict=lambda: ids, **ids),
+                                 speculator_class)
+
+
+def test_a_dflash2_drafter_is_vllms_dflash_reading_aux_states():
+    """A DFlash2 drafter is served as method ``dflash``; on 0.34.0 its model declares
+    ``DFlash2SpeculatorConfig``, which vLLM resolves and which reads aux states."""
+    spec = _drafter("dflash", DFLASH2 if V34 else None)
+    if V34:
+        assert type(spec.speculator_config).__name__ == "DFlash2SpeculatorConfig"
+    assert versions.drafter_reads_aux(spec) is True
 
 
 @pytest.mark.parametrize(("method", "hf", "reads"), [

@@ -329,17 +329,18 @@ def resolved_k3(cc: dict, breakable: str | None, *, rocm: bool = False, extra=No
     return config, resolved_env
 
 
-def speculative_config(method: str, hf_config):
+def speculative_config(method: str, hf_config, speculator_class: str | None = None):
     """vLLM's ``SpeculativeConfig`` serving ``method`` with a drafter whose ``hf_config``
     is given: a stand-in for building one, which loads the drafter's checkpoint. vLLM's
     own properties read it (0.34.0's ``uses_aux_hidden_states``; 0.33.0's
     ``requires_aux_hidden_states`` reads ``method`` and ``hf_config``); its hash is the
-    method and the drafter's config (``compute_hash``, ``compile_factors``)."""
+    method and the drafter's config (``compute_hash``, ``compile_factors``).
+    ``speculator_class``: the config class the drafter's model declares (0.34.0)."""
     from vllm.config import SpeculativeConfig
 
     spec = object.__new__(SpeculativeConfig)
     draft = types.SimpleNamespace(hf_config=hf_config, model=f"stand-in {method} drafter",
-                                  speculator_config_class=None)
+                                  speculator_config_class=speculator_class)
     key = f"{method} {hf_config.to_dict()}"
     for name, value in {"method": method, "custom_method": None, "draft_model_config": draft,
                         "compute_hash": lambda: key, "compile_factors": lambda: {"key": key},
