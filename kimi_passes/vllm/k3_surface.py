@@ -14,8 +14,8 @@ both), compared with the installed K3 for each vendor module imported:
 - where vLLM's K3 package refers to the capture method (``CAPTURE``): it must be
   ``KimiLinearModel.forward``, whose captures the route checks (``REQUIRED``), and may
   only be one of ``KNOWN_SITES``: on NVIDIA, vLLM 0.34's specialized decode calls
-  ``_capture_aux_hidden_stream`` in its wide steps, outside ``forward``; it runs only
-  under ``decode_backend=latency_specialized``, which the plan refuses at model init.
+  ``_capture_aux_hidden_stream`` in its wide and hybrid steps, outside ``forward``; it
+  runs only under ``decode_backend=latency_specialized``, which the plan refuses.
 
 Reads vLLM's source files for the call sites (``ast``; only files naming the method).
 """
