@@ -1,4 +1,4 @@
-"""vLLM 0.33.0's own Kimi K3 forward code, as installed, assembled on small stand-ins.
+"""vLLM's own Kimi K3 forward code (0.33.0, 0.34.0), as installed, on small stand-ins.
 
 vLLM's code objects run unmodified: NVIDIA (``vllm/models/kimi_k3/nvidia/model.py``)
 ``KimiLinearModel.forward`` and the methods it calls, ROCm (``amd/linear.py``) the same,
@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import inspect
 import os
 import types
 from bisect import bisect_right
@@ -307,17 +309,29 @@ def vllm_amd_attn_res():
     return load_peer("amd").attn_res
 
 
+def as_vllms(fn, own):
+    """``fn`` standing in for vLLM's ``own`` ``attn_res``: called as ``fn``, with ``own``'s
+    signature (what the route checks at ``register``, ``kimi_passes.vllm.k3_surface``)."""
+
+    @functools.wraps(fn)
+    def stand_in(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    stand_in.__signature__ = inspect.signature(own)  # type: ignore[attr-defined]
+    return stand_in
+
+
 @contextlib.contextmanager
 def with_own_attn_res(nvidia_fn, amd_fn):
     """vLLM's own ``attn_res`` in the K3 modules, before the plugin routes them: what the
-    eager route runs at every call that is not a capture's consumer."""
+    eager route runs at every call that is not a capture's consumer (``as_vllms``)."""
     import sys
 
     nvidia, amd = vllm_modules()
-    with mock.patch.object(nvidia, "attn_res", nvidia_fn), \
-            mock.patch.object(sys.modules["vllm.models.kimi_k3.nvidia.ops"], "attn_res",
-                              nvidia_fn), \
-            mock.patch.object(amd, "attn_res", amd_fn):
+    ops = sys.modules["vllm.models.kimi_k3.nvidia.ops"]
+    with mock.patch.object(nvidia, "attn_res", as_vllms(nvidia_fn, nvidia.attn_res)), \
+            mock.patch.object(ops, "attn_res", as_vllms(nvidia_fn, ops.attn_res)), \
+            mock.patch.object(amd, "attn_res", as_vllms(amd_fn, amd.attn_res)):
         yield
 
 

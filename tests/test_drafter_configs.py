@@ -1,10 +1,11 @@
 """``drafter_capture_ids``: every spelling of a drafter's layer list, against vLLM's readers.
 
 The resolver's own cases (each spelling, its convention, the errors), then a differential
-test against the real vLLM code where vLLM is installed (CI installs it): both of vLLM's
-readers (``eagle3_utils.get_eagle3_aux_layers_from_config`` and
-``GPUModelRunner._get_eagle3_aux_layers_from_config``) and its speculators converter
-(``algos.py``), on configs holding one spelling and on configs holding two.
+test against the real vLLM code where vLLM is installed (CI installs it): each of the
+installed vLLM's readers (``eagle3_utils.get_eagle3_aux_layers_from_config``; on vLLM
+0.33.0 also ``GPUModelRunner._get_eagle3_aux_layers_from_config``, whose module 0.34.0
+removed) and its speculators converter (``algos.py``), on configs holding one spelling and
+on configs holding two.
 """
 
 from __future__ import annotations
@@ -132,58 +133,78 @@ def test_above_num_layers():
 
 # --------------------------------------------------------------------------- vLLM's readers
 
-def _vllm_readers(config: dict):
-    """The ids vLLM 0.33.0's two readers take from a drafter whose hf_config is ``config``."""
+#: vLLM's readers of a drafter's layer list, by the vLLM releases that have them: the
+#: V1 runner (``gpu_model_runner``, a module vLLM 0.34.0 removed) is 0.33.0's only.
+READERS = {"eagle3_utils": ((0, 33), (0, 34)), "gpu_model_runner": ((0, 33),)}
+RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+
+
+def _installed_readers() -> tuple[str, ...]:
+    """The readers the installed vLLM has (``READERS``, by its release)."""
+    from kimi_passes.vllm.versions import installed_version, release
+
+    minor = release(installed_version())[:2]
+    return tuple(name for name, releases in READERS.items() if minor in releases)
+
+
+def _vllm_readers(config: dict) -> dict[str, tuple[int, ...] | None]:
+    """The ids each of the installed vLLM's readers takes from a drafter whose hf_config
+    is ``config``."""
     from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
         get_eagle3_aux_layers_from_config,
     )
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     hf = types.SimpleNamespace(**copy.deepcopy(config))
     spec = types.SimpleNamespace(draft_model_config=types.SimpleNamespace(hf_config=hf))
-    runner = types.SimpleNamespace(speculative_config=spec)
-    return (get_eagle3_aux_layers_from_config(spec),
-            GPUModelRunner._get_eagle3_aux_layers_from_config(runner))
+    read = {"eagle3_utils": get_eagle3_aux_layers_from_config(spec)}
+    if "gpu_model_runner" in _installed_readers():
+        runner = importlib.import_module(RUNNER_MODULE).GPUModelRunner
+        read["gpu_model_runner"] = runner._get_eagle3_aux_layers_from_config(
+            types.SimpleNamespace(speculative_config=spec))
+    return read
+
+
+@pytest.mark.vllm
+def test_the_installed_vllms_readers():
+    """The V1 runner's module exists exactly where ``READERS`` says it reads."""
+    has_runner = importlib.util.find_spec(RUNNER_MODULE) is not None
+    assert has_runner == ("gpu_model_runner" in _installed_readers())
 
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("config", [s[0] for s in SPELLINGS if "speculators_model_type"
                                     not in s[0]], ids=lambda c: next(iter(c)))
 def test_one_spelling_matches_vllm(config):
-    """Where vLLM's two readers agree, the resolver gives their ids; where one of them does
-    not read the spelling (it falls back to the model's default layers), the resolver gives
-    the ids of the one that does, and the compile-time check then names the mismatch."""
-    utils, runner = _vllm_readers(config)
+    """Every vLLM reader that reads the spelling reads the resolver's ids; one that does
+    not (it falls back to the model's default layers; which read which is
+    ``VLLM_KNOWS``) leaves the compile-time check to name the mismatch."""
+    read = set(_vllm_readers(config).values())
     ours = drafter_capture_ids(config).capture_ids
-    if utils == runner:
-        assert ours == utils
-    else:
-        read = [r for r in (utils, runner) if r is not None]
-        assert read == [ours], (utils, runner, ours)
+    assert read - {None} <= {ours}, (read, ours)
 
 
-# Which spellings each reader knows (vLLM 0.33.0, read from its code): the record the
-# closing note and README give. A change in vLLM shows here.
+# Which spellings each reader knows (vLLM 0.33.0 and 0.34.0, read from their code): the
+# record the closing note and README give. A change in vLLM shows here.
 VLLM_KNOWS = {
-    "eagle_aux_hidden_state_layer_ids": (True, True),
-    "eagle_config.eagle_aux_hidden_state_layer_ids": (False, True),
-    "eagle_config.layer_ids": (True, False),
-    "dflash_config.target_layer_ids": (True, True),
-    "dflash_config.layer_ids": (True, False),
-    "dspark_target_layer_ids": (True, False),
-    "target_layer_ids": (True, False),
+    "eagle3_utils": {"eagle_aux_hidden_state_layer_ids", "eagle_config.layer_ids",
+                     "dflash_config.target_layer_ids", "dflash_config.layer_ids",
+                     "dspark_target_layer_ids", "target_layer_ids"},
+    "gpu_model_runner": {"eagle_aux_hidden_state_layer_ids",
+                         "eagle_config.eagle_aux_hidden_state_layer_ids",
+                         "dflash_config.target_layer_ids"},
 }
 
 
 @pytest.mark.vllm
 def test_which_vllm_reader_knows_which_spelling():
-    seen = {}
+    seen: dict[str, set[str]] = {name: set() for name in _installed_readers()}
     for config, ids, key, *_ in SPELLINGS:
         if "speculators_model_type" in config or "model_type" in config:
             continue
-        utils, runner = _vllm_readers(config)
-        seen[key] = (utils == ids, runner == ids)
-    assert seen == VLLM_KNOWS
+        for name, got in _vllm_readers(config).items():
+            if got == ids:
+                seen[name].add(key)
+    assert seen == {name: VLLM_KNOWS[name] for name in _installed_readers()}
 
 
 TWO_SPELLINGS = [
@@ -203,14 +224,14 @@ TWO_SPELLINGS = [
 @pytest.mark.parametrize("config", TWO_SPELLINGS, ids=range(len(TWO_SPELLINGS)))
 def test_two_spellings_against_vllm(config):
     """Agreeing spellings give vLLM's ids; disagreeing ones are an error, never a pick."""
-    utils, runner = _vllm_readers(config)
+    read = _vllm_readers(config)
     try:
         ours = drafter_capture_ids(config).capture_ids
     except ValueError as e:
         assert "disagree" in str(e)
         return
     # Resolved: every reader that read a list read these ids.
-    assert all(r == ours for r in (utils, runner) if r is not None), (utils, runner, ours)
+    assert all(r == ours for r in read.values() if r is not None), (read, ours)
 
 
 @pytest.mark.vllm
@@ -220,20 +241,42 @@ def test_two_spellings_against_vllm(config):
                                           ("dflash2", "aux_hidden_state_layer_ids"),
                                           ("dspark", "aux_hidden_state_layer_ids")])
 def test_speculators_raw_as_vllm_converts_it(kind, raw_key):
-    """A raw speculators config reads as vLLM's algos.py converts it, and both readers agree."""
+    """A raw speculators config reads as vLLM's algos.py converts it, and every reader
+    agrees; P-EAGLE, which vLLM 0.34.0 refuses, is refused there."""
     from vllm.transformers_utils.configs.speculators.algos import SUPPORTED_SPECULATORS_TYPES
 
     raw = {"speculators_model_type": kind, raw_key: [1, 4, 8], "mask_token_id": 0,
            "transformer_layer_config": {"model_type": "llama"}}
     converted = copy.deepcopy(raw["transformer_layer_config"])
-    SUPPORTED_SPECULATORS_TYPES[kind](copy.deepcopy(raw), converted)
-    utils, runner = _vllm_readers(converted)
+    with _refused_where_vllm_refuses(kind):
+        SUPPORTED_SPECULATORS_TYPES[kind](copy.deepcopy(raw), converted)
+    if not _vllm_serves(kind):
+        return
+    read = _vllm_readers(converted)
     assert drafter_capture_ids(raw).capture_ids == drafter_capture_ids(converted).capture_ids
     assert drafter_capture_ids(converted).capture_ids == (1, 4, 8)
-    if kind in ("eagle3", "peagle", "dflash", "dflash2"):
-        assert utils == runner == (1, 4, 8)
-    else:  # dspark: the runner vLLM's CPU path inherits does read eagle_aux... too
-        assert utils == (1, 4, 8) and runner == (1, 4, 8)
+    assert set(read.values()) == {(1, 4, 8)}, read
+
+
+#: The first vLLM release that refuses P-EAGLE speculators configs (0.33.0 converts them).
+PEAGLE_REFUSED_FROM = (0, 34)
+
+
+def _vllm_serves(kind: str) -> bool:
+    """Whether the installed vLLM converts speculators format ``kind``."""
+    from kimi_passes.vllm.versions import installed_version, release
+
+    return kind != "peagle" or release(installed_version())[:2] < PEAGLE_REFUSED_FROM
+
+
+def _refused_where_vllm_refuses(kind: str):
+    """A context expecting vLLM's refusal of ``kind`` where it refuses it (else none)."""
+    import contextlib
+
+    if _vllm_serves(kind):
+        return contextlib.nullcontext()
+    return pytest.raises(ValueError, match=r"P-EAGLE \(parallel drafting EAGLE-3\) is not "
+                                           "supported")
 
 
 # --------------------------------------------------------------------------- speculators
@@ -259,9 +302,12 @@ def test_speculators_written_configs_as_vllm_loads_them(fmt):
     from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
 
     raw = json.loads((SPECULATORS / fmt / "config.json").read_text())
-    converted = SpeculatorsConfig.extract_transformers_pre_trained_config(copy.deepcopy(raw))
-    utils, runner = _vllm_readers(converted)
-    assert utils == runner == SPECULATORS_IDS[fmt]
+    with _refused_where_vllm_refuses(fmt):
+        converted = SpeculatorsConfig.extract_transformers_pre_trained_config(
+            copy.deepcopy(raw))
+    if not _vllm_serves(fmt):
+        return
+    assert set(_vllm_readers(converted).values()) == {SPECULATORS_IDS[fmt]}
     assert drafter_capture_ids(converted).capture_ids == SPECULATORS_IDS[fmt]
 
 

@@ -241,15 +241,14 @@ def test_a_break_that_isolates_the_tap_is_named():
 # --------------------------------------------------------------------------- vLLM
 
 def _served(config, method, ids):
-    """``config`` serving a drafter whose hf_config declares ``ids`` (a stand-in for vLLM's
-    SpeculativeConfig, which needs a model checkpoint to build)."""
+    """``config`` serving a drafter whose hf_config declares ``ids`` (vLLM's
+    SpeculativeConfig without the checkpoint it needs to build: the harness's stand-in)."""
     import types
 
+    from helpers.vllm_harness import speculative_config
+
     hf = types.SimpleNamespace(to_dict=lambda: eagle(*ids))
-    spec = types.SimpleNamespace(method=method, compute_hash=lambda: f"{method}{ids}",
-                                 use_ngram_gpu=lambda: False,
-                                 draft_model_config=types.SimpleNamespace(hf_config=hf))
-    object.__setattr__(config, "speculative_config", spec)
+    object.__setattr__(config, "speculative_config", speculative_config(method, hf))
     return config
 
 

@@ -106,7 +106,8 @@ def test_quant_fp8_native_of_the_output_vllm(dtype, quant_dtype, monkeypatch):
     """vLLM's ``QuantFP8(per-token).forward_native`` of ``attn_res``'s output is
     ``attn_res_quant`` with ``quant_fp8_constants`` (and ``scale_ub``), bit for bit; for
     e4m3fnuz vLLM's module constants are those of a ROCm fnuz platform (224)."""
-    from vllm.config import VllmConfig, set_current_vllm_config
+    from helpers.vllm_harness import new_vllm_config
+    from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.quantization import input_quant_fp8 as qf
     from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
 
@@ -114,7 +115,7 @@ def test_quant_fp8_native_of_the_output_vllm(dtype, quant_dtype, monkeypatch):
         for name, value in (("_FP8_DTYPE", FNUZ), ("_FP8_MAX", 224.0), ("_FP8_MIN", -224.0),
                             ("_FP8_MIN_SCALING_FACTOR", 1.0 / (224.0 * 512.0))):
             monkeypatch.setattr(qf, name, value)
-    with set_current_vllm_config(VllmConfig()):
+    with set_current_vllm_config(new_vllm_config()):
         quant = qf.QuantFP8(static=False, group_shape=GroupShape.PER_TOKEN)
     args = make_args(40, 256, 5, 4, 2, dtype, delta=True, onorm=True, seed=7, scale=3.0)
     args[0][3] = 0.0  # a zero row: the scale floor

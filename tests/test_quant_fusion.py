@@ -267,11 +267,12 @@ def test_fuse_quant_off_is_in_the_cache_key():
 @pytest.fixture(scope="module")
 def quant_fp8():
     """vLLM's QuantFP8, dynamic per token, built the way vLLM builds it (under a config)."""
-    from vllm.config import VllmConfig, set_current_vllm_config
+    from helpers.vllm_harness import new_vllm_config
+    from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
     from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
 
-    with set_current_vllm_config(VllmConfig()):
+    with set_current_vllm_config(new_vllm_config()):
         return QuantFP8(static=False, group_shape=GroupShape.PER_TOKEN)
 
 

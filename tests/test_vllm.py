@@ -1,4 +1,4 @@
-"""kimi_passes inside vLLM's real compile path (vLLM 0.33.0, CPU; tests/helpers/vllm_harness.py).
+"""kimi_passes inside vLLM's real compile path (vLLM 0.33.0, 0.34.0; CPU; helpers/vllm_harness.py).
 
 Each model is compiled through ``@support_torch_compile`` and ``VllmBackend``: Dynamo's
 graph is split at the attention custom op listed in ``splitting_ops`` (the number of
@@ -270,11 +270,12 @@ def test_adapter_object():
 
 
 def test_vllm_config_hash_covers_the_stream_and_options():
-    """vLLM names its compile cache directory after VllmConfig.compute_hash()."""
+    """vLLM names its compile cache directory after the config's hash (``h.config_hash``:
+    ``compute_hash`` on vLLM 0.33.0, ``hash_config`` of ``compile_factors`` on 0.34.0)."""
     from kimi_passes.vllm import compile_config_entries
 
-    hashes = {h.vllm_config(inductor_compile_config=compile_config_entries(
-        s, fuse_capture=f)).compute_hash() for s in ("attn_res", "prefix") for f in (True, False)}
+    hashes = {h.config_hash(h.vllm_config(inductor_compile_config=compile_config_entries(
+        s, fuse_capture=f))) for s in ("attn_res", "prefix") for f in (True, False)}
     assert len(hashes) == 4
 
 

@@ -1,4 +1,4 @@
-"""vLLM 0.33.0's own Kimi K3 forward, as installed, compiled with the kimi passes (CPU).
+"""vLLM's own Kimi K3 forward (0.33.0, 0.34.0), as installed, compiled with the kimi passes (CPU).
 
 The installed NVIDIA (``nvidia/model.py``) and ROCm (``amd/linear.py``) forward code runs
 unmodified (``kimi_passes.graphs.vllm_k3``, graphs/vllm_k3.py, names the stand-ins:
@@ -6,7 +6,9 @@ attention, the MoE/MLP, the embedding, the norm/projection weight holders, the P
 vLLM's GPU-only Triton import). vLLM's ``attn_res`` reaches the graph the way users get it:
 the ``vllm.general_plugins`` entry point ``kimi_passes`` (``kimi_passes.vllm.k3_route``),
 loaded by vLLM's own ``load_general_plugins`` with ``$KIMI_PASSES_AUX_STREAM`` set
-(tests/helpers/vllm_harness.py ``load_vllm_plugins``).
+(tests/helpers/vllm_harness.py ``load_vllm_plugins``). vLLM's configs are built on a CUDA
+platform stand-in and its served drafter is its ``SpeculativeConfig`` without a checkpoint
+(the harness's ``new_vllm_config``, ``speculative_config``).
 
 The truth, for every aux state: the installed NVIDIA code's own eager output with
 ``VLLM_KIMI_K3_AUX_ATTN_RES_STREAM=1`` for the same weights (its capture k is layer k's
@@ -39,7 +41,11 @@ if importlib.util.find_spec("vllm") is None:  # test_vllm_required.py fails on C
 import torch  # noqa: E402
 from helpers.fp8 import assert_rows_agree, gpu_rounding, vllm_amd  # noqa: E402
 from helpers.op import OP_TOL, clone_args, make_args  # noqa: E402
-from helpers.vllm_harness import count_attn_res, load_vllm_plugins  # noqa: E402
+from helpers.vllm_harness import (  # noqa: E402
+    count_attn_res,
+    load_vllm_plugins,
+    new_vllm_config,
+)
 
 import kimi_passes  # noqa: E402
 import kimi_passes.graphs.vllm_k3 as h  # noqa: E402
@@ -230,19 +236,14 @@ def test_vllm_k3_nvidia_as_vllm_stock_torch_compile_flag_off_and_on(routed, monk
     stream is ``$KIMI_PASSES_AUX_STREAM`` (set, as the route needs); the drafter is the one
     vLLM serves (``served_config``: the capture ids declared), read by the backend under
     vLLM's current config as in vLLM's profile run."""
-    from vllm.config import (
-        CompilationConfig,
-        CompilationMode,
-        VllmConfig,
-        set_current_vllm_config,
-    )
+    from vllm.config import CompilationConfig, CompilationMode, set_current_vllm_config
 
     import kimi_passes.backend
     from kimi_passes import pipeline
 
     monkeypatch.setenv(ENV_VAR, "attn_res")
     cc = CompilationConfig(mode=CompilationMode.STOCK_TORCH_COMPILE, backend="kimi")
-    config = served_config(VllmConfig(compilation_config=cc), CAPTURE)
+    config = served_config(new_vllm_config(compilation_config=cc), CAPTURE)
     backend = cc.init_backend(config)
     assert backend == "kimi"
     calls = {}
@@ -402,15 +403,14 @@ def test_vllm_k3_unrouted_attn_res_refused_under_attn_res_stream():
 
 
 def served_config(config, ids):
-    """``config`` serving an eagle3 drafter that declares capture ids ``ids`` (a stand-in
-    speculative config: vLLM's SpeculativeConfig needs a drafter checkpoint to build)."""
+    """``config`` serving an eagle3 drafter that declares capture ids ``ids``
+    (``helpers.vllm_harness.speculative_config``: vLLM's, without the drafter's checkpoint)."""
     import types
 
+    from helpers.vllm_harness import speculative_config
+
     hf = types.SimpleNamespace(to_dict=lambda: {"eagle_aux_hidden_state_layer_ids": list(ids)})
-    spec = types.SimpleNamespace(method="eagle3", compute_hash=lambda: f"eagle3{ids}",
-                                 use_ngram_gpu=lambda: False,
-                                 draft_model_config=types.SimpleNamespace(hf_config=hf))
-    object.__setattr__(config, "speculative_config", spec)
+    object.__setattr__(config, "speculative_config", speculative_config("eagle3", hf))
     return config
 
 
@@ -419,17 +419,12 @@ def test_vllm_k3_kimi_backend_reads_vllms_served_drafter():
     first called under vLLM's current config (as vLLM's profile run is): the drafter vLLM
     serves is checked (the heavy STOCK_TORCH_COMPILE test serves a matching one)."""
     from helpers.k3 import inference_model, small_config, token_ids
-    from vllm.config import (
-        CompilationConfig,
-        CompilationMode,
-        VllmConfig,
-        set_current_vllm_config,
-    )
+    from vllm.config import CompilationConfig, CompilationMode, set_current_vllm_config
 
     from kimi_passes import AuxCaptureError
 
     cc = CompilationConfig(mode=CompilationMode.STOCK_TORCH_COMPILE, backend="kimi")
-    config = VllmConfig(compilation_config=cc)
+    config = new_vllm_config(compilation_config=cc)
     backend = cc.init_backend(config)
     cfg = small_config(2, 1, taps=(0, 1, 2))
     ids = token_ids(cfg, 5)

@@ -34,7 +34,13 @@ if importlib.util.find_spec("vllm") is None:  # test_vllm_required.py fails on C
 
 import torch  # noqa: E402
 from helpers.op import OP_TOL  # noqa: E402
-from helpers.vllm_harness import load_vllm_plugins  # noqa: E402
+from helpers.vllm_harness import (  # noqa: E402
+    BREAKABLE,
+    K3,
+    gpu_platform,
+    load_vllm_plugins,
+    resolved_k3,
+)
 
 import kimi_passes.graphs.vllm_k3 as h  # noqa: E402
 import kimi_passes.vllm.k3_route as route  # noqa: E402
@@ -49,7 +55,6 @@ FUSED = 4  # captures read out of a consumer's call (id 0 is the embedding itsel
 SITES = 2 * SPEC.num_layers + 1  # two mixing calls per layer, the output aggregation
 TS = (1, 8, 300)
 ROOT = Path(__file__).resolve().parent.parent
-BREAKABLE = "VLLM_USE_BREAKABLE_CUDAGRAPH"
 
 
 def own_kernels(T: int):
@@ -97,40 +102,16 @@ def assert_aux(got, want, dtype, what):
 
 # ---------------------------------------------------------------- vLLM's config resolution
 
-@contextlib.contextmanager
 def platform(rocm: bool):
-    """vLLM's platform answering ``is_rocm()`` (its breakable-architecture list is cached)."""
-    from vllm.config import vllm as config_vllm
-    from vllm.platforms import current_platform
-
-    config_vllm.default_breakable_cudagraph_architectures.cache_clear()
-    try:
-        with mock.patch.object(type(current_platform), "is_rocm", lambda self: rocm):
-            yield
-    finally:
-        config_vllm.default_breakable_cudagraph_architectures.cache_clear()
+    """vLLM's platform as a CUDA or ROCm machine where its resolution reads it."""
+    return gpu_platform("rocm" if rocm else "cuda")
 
 
-def resolved(cc: dict, breakable: str | None, rocm: bool = False, extra=None):
-    """A ``VllmConfig`` for a K3 checkpoint after vLLM's breakable-CUDA-graph resolution.
-
-    Built without ``VLLM_USE_BREAKABLE_CUDAGRAPH`` (its ``__post_init__`` has no model to
-    read), given K3's architecture, then resolved by vLLM's own method with the variable
-    as the user set it; ``os.environ`` is restored (the method writes it)."""
-    from vllm.config import CompilationConfig, VllmConfig
-
-    env = {k: v for k, v in os.environ.items() if k != BREAKABLE}
-    with mock.patch.dict(os.environ, env, clear=True):
-        config = VllmConfig(compilation_config=CompilationConfig(**cc),
-                            additional_config=extra or {})
-        model = mock.Mock(architectures=["KimiK3ForConditionalGeneration"])
-        object.__setattr__(config, "model_config", model)
-        if breakable is not None:
-            os.environ[BREAKABLE] = breakable
-        with platform(rocm):
-            config._maybe_enable_breakable_cudagraph()
-        resolved_env = dict(os.environ)
-    return config, resolved_env
+def resolved(cc: dict, breakable: str | None, rocm: bool = False, extra=None,
+             architecture: str = K3):
+    """A K3 checkpoint's ``VllmConfig`` after vLLM's resolution, and the environment
+    it left (``helpers.vllm_harness.resolved_k3``)."""
+    return resolved_k3(cc, breakable, rocm=rocm, extra=extra, architecture=architecture)
 
 
 def plan_for(config, env, stream="attn_res", sp=False):
@@ -385,6 +366,7 @@ def test_readme_vllm_command_through_vllms_engine_args(tmp_path):
         {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3"}))
     args = ["--model", str(tmp_path), *args[1:], "--skip-tokenizer-init"]
     clean = {k: v for k, v in os.environ.items() if k != BREAKABLE}
+    h.vllm_modules()  # imported on vLLM's CPU platform: the platform stand-in has no _C ops
     for rocm in (False, True):
         with mock.patch.dict(os.environ, {**clean, **env, "HF_HUB_OFFLINE": "1"}, clear=True), \
                 platform(rocm), mock.patch.object(vllm.plugins, "plugins_loaded", False):

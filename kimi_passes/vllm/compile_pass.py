@@ -41,9 +41,12 @@ from kimi_passes.errors import AuxCaptureError
 from kimi_passes.fx.manager import KimiPassManager
 from kimi_passes.pipeline import pass_manager
 from kimi_passes.taps.aux_stream import AuxStreamPass
+from kimi_passes.vllm import versions
 
 #: The key vLLM reads the user's post-grad pass from.
 PASS_KEY = "post_grad_custom_post_pass"
+
+versions.warn_if_untested()  # the adapter's users never reach the route's register
 
 
 class KimiVllmPass(InductorPass):
@@ -55,8 +58,8 @@ class KimiVllmPass(InductorPass):
 
     The drafter: the record's when it was built from a ``draft_config``; else, with
     ``serve_drafter`` (the default), the one vLLM serves
-    (``speculative_config.draft_model_config.hf_config``, read when vLLM compiles, for the
-    methods that feed a drafter aux hidden states), so the string route checks it too.
+    (``speculative_config.draft_model_config.hf_config``, read when vLLM compiles, when
+    vLLM feeds that drafter aux hidden states), so the string route checks it too.
     """
 
     def __init__(self, config: KimiPassConfig | None = None, serve_drafter: bool = True):
@@ -108,18 +111,14 @@ class KimiVllmPass(InductorPass):
         return f"KimiVllmPass({self.manager.config!r}{served})"
 
 
-#: vLLM's speculative methods whose drafter reads the target's aux hidden states
-#: (vLLM's ``requires_aux_hidden_states``).
-AUX_METHODS = ("eagle3", "dflash", "dspark", "extract_hidden_states")
-
-
 def served_drafter() -> DrafterTaps | None:
-    """The capture ids of the drafter vLLM's current config serves, if it reads any."""
+    """The capture ids of the drafter vLLM's current config serves, if it reads aux hidden
+    states (as vLLM decides it: ``versions.drafter_reads_aux``)."""
     config = get_current_vllm_config_or_none()
     spec = getattr(config, "speculative_config", None)
     draft = getattr(spec, "draft_model_config", None)
     method = getattr(spec, "method", None)
-    if draft is None or method not in AUX_METHODS:
+    if draft is None or not versions.drafter_reads_aux(spec):
         return None
     target = getattr(getattr(config, "model_config", None), "hf_config", None)
     num_layers = getattr(target, "num_hidden_layers", None)

@@ -22,6 +22,7 @@ import dataclasses
 import logging
 
 from kimi_passes.config.stream import ENV_VAR
+from kimi_passes.vllm import versions
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +64,7 @@ def serving_plan(vllm_config, *, stream: str, sequence_parallel: bool) -> Servin
     mode = _mode_name(cc.mode) if cc.mode is not None else "NONE"
     extra = vllm_config.additional_config
     decode = extra.get("decode_backend", "auto") if isinstance(extra, dict) else "auto"
-    from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
-
-    graphs = ("breakable CUDA graphs" if is_breakable_cudagraph_enabled()
+    graphs = ("breakable CUDA graphs" if versions.breakable_cudagraphs(vllm_config)
               else "no breakable CUDA graphs")
     route = COMPILED if mode == "STOCK_TORCH_COMPILE" else EAGER
     if stream != "attn_res":

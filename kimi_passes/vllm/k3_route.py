@@ -40,7 +40,7 @@ import torch
 import kimi_passes.ops  # noqa: F401  (registers torch.ops.kimi)
 from kimi_passes.config.stream import ENV_VAR, resolve_aux_stream
 from kimi_passes.ops.attn_res_args import AttnResArgs, record_signature
-from kimi_passes.vllm import k3_eager, k3_plan
+from kimi_passes.vllm import k3_eager, k3_plan, k3_surface, versions
 
 log = logging.getLogger(__name__)
 
@@ -208,11 +208,14 @@ def enabled() -> bool:
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: route K3's ``attn_res`` when enabled."""
+    """The ``vllm.general_plugins`` entry point: route K3's ``attn_res`` when enabled, once
+    an untested vLLM is named (``versions``) and a changed K3 refused (``k3_surface``)."""
     if not enabled():
         return
+    versions.warn_if_untested()
     # The package picks the platform's implementation (NVIDIA, or ROCm's amd.linear).
     importlib.import_module("vllm.models.kimi_k3")
+    k3_surface.check(ROUTES)  # a changed K3 is refused before anything is routed
     routed = route_attn_res()
     _install(resolve_aux_stream())
     if not routed:

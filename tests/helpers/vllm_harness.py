@@ -8,14 +8,19 @@ is the CPU platform, never vLLM's compile pipeline:
    looks up by name (the CUDA extension that defines them does not load here);
 2. ``pass_config={"fuse_rope_kvcache_cat_mla": False}`` (else a CUDA-only pass is named);
 3. ``compile_sizes=[]``;
-4. ``CpuPlatform`` turns ``VLLM_COMPILE`` into ``DYNAMO_TRACE_ONCE``: the mode is set
-   back after the config is built.
+4. the config is built on a CUDA platform stand-in (``gpu_platform``), as vLLM's own
+   CPU-less tests build theirs: vLLM 0.34.0's CPU platform refuses an x86 CPU without
+   triton-cpu in ``VllmConfig.__post_init__`` (0.33.0's warns, then turns
+   ``VLLM_COMPILE`` into ``DYNAMO_TRACE_ONCE``); the compile itself runs on vLLM's CPU
+   platform.
 
 Attention runs behind the custom op ``kimi_vllm_test::attention``, listed in
 ``splitting_ops`` the way vLLM lists its attention ops, so the graph really is split.
 ``main`` is one serving process of the shared-cache test. ``load_vllm_plugins`` loads the
 ``kimi_passes`` plugin as vLLM does (tests/test_vllm_k3*.py, which run vLLM's installed K3
-forward: ``kimi_passes.graphs.vllm_k3``).
+forward: ``kimi_passes.graphs.vllm_k3``); ``resolved_k3`` is vLLM's config resolution for
+a K3 checkpoint on a CUDA or ROCm platform stand-in, ``speculative_config`` vLLM's
+``SpeculativeConfig`` serving a drafter without its checkpoint.
 """
 
 from __future__ import annotations
@@ -26,9 +31,11 @@ import os
 # (``main``) whose environment does not say (tests/conftest.py sets it under pytest).
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
+import types  # noqa: E402
 from pathlib import Path  # noqa: E402
 from unittest import mock  # noqa: E402
 
@@ -93,7 +100,7 @@ def vllm_config(inductor_compile_config=None, inductor_passes=None, v2=False,
                 splitting_ops=(ATTENTION_OP,), cache_dir=""):
     """A ``VllmConfig`` compiling with ``VllmBackend`` on CPU (see the module docstring)."""
     _stub_c_ops()
-    from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode, VllmConfig
+    from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode
 
     icc = dict(inductor_compile_config or {})
     if v2:
@@ -106,9 +113,20 @@ def vllm_config(inductor_compile_config=None, inductor_passes=None, v2=False,
         inductor_compile_config=icc, inductor_passes=dict(inductor_passes or {}),
         cache_dir=cache_dir,
     )
-    config = VllmConfig(compilation_config=cc)
-    config.compilation_config.mode = CompilationMode.VLLM_COMPILE
+    config = new_vllm_config(compilation_config=cc)
+    assert config.compilation_config.mode == CompilationMode.VLLM_COMPILE
     return config
+
+
+def config_hash(config) -> str:
+    """The hash vLLM names its compile cache directory after: ``VllmConfig.compute_hash``
+    (vLLM 0.33.0) or ``vllm.config.utils.hash_config`` of its ``compile_factors`` (0.34.0,
+    where ``compute_hash`` is gone)."""
+    from vllm.config import utils
+
+    if hasattr(utils, "hash_config"):
+        return utils.hash_config(config)
+    return config.compute_hash()
 
 
 class VllmK3(nn.Module):
@@ -234,6 +252,101 @@ def load_vllm_plugins(env: str | None) -> None:
         if env is None:
             os.environ.pop(ENV_VAR, None)
         vp.load_general_plugins()
+
+
+# ------------------------------------------------- vLLM's config resolution, no GPU here
+
+#: Kimi K3's architectures, and those vLLM 0.34.0 added (K3.1: the same K3 classes).
+K3 = "KimiK3ForConditionalGeneration"
+K31 = "KimiK31ForConditionalGeneration"
+BREAKABLE = "VLLM_USE_BREAKABLE_CUDAGRAPH"
+
+
+@contextlib.contextmanager
+def gpu_platform(kind: str):
+    """Stand-in for vLLM's platform where its config resolution reads it: vLLM's own
+    ``Platform`` interface as a ``kind`` (``"cuda"`` or ``"rocm"``) machine whose device
+    is never asked, patched as ``vllm.platforms.current_platform`` (what vLLM 0.33.0's
+    breakable-architecture list reads) and ``vllm.config.vllm.current_platform`` (what
+    ``VllmConfig`` and 0.34.0's list read), as vLLM's CPU-less tests mock it. The list's
+    cache is cleared on entry and exit."""
+    import vllm.platforms
+    from vllm.config import vllm as config_vllm
+    from vllm.platforms.interface import Platform, PlatformEnum
+
+    enum = {"cuda": PlatformEnum.CUDA, "rocm": PlatformEnum.ROCM}[kind]
+    stand_in = type(f"StandIn{kind.upper()}Platform", (Platform,),
+                    {"_enum": enum, "device_name": kind, "device_type": "cuda"})()
+    config_vllm.default_breakable_cudagraph_architectures.cache_clear()
+    try:
+        with mock.patch.object(vllm.platforms, "current_platform", stand_in), \
+                mock.patch.object(config_vllm, "current_platform", stand_in):
+            yield stand_in
+    finally:
+        config_vllm.default_breakable_cudagraph_architectures.cache_clear()
+
+
+def new_vllm_config(**fields):
+    """``VllmConfig(**fields)`` built on a CUDA platform stand-in (``gpu_platform``): vLLM
+    0.34.0's CPU platform refuses an x86 CPU without triton-cpu there. What uses it runs
+    on vLLM's CPU platform."""
+    from vllm.config import VllmConfig
+
+    with gpu_platform("cuda"):
+        return VllmConfig(**fields)
+
+
+def k3_model_config(architecture: str = K3):
+    """Stand-in for vLLM's ``ModelConfig`` of a K3 checkpoint (building one reads the
+    checkpoint): what the breakable-CUDA-graph resolution reads, ``architectures`` and
+    ``hf_text_config.architectures`` (K3's text config names none), ``enforce_eager``."""
+    text = types.SimpleNamespace(architectures=None, model_type="kimi_linear")
+    return types.SimpleNamespace(architectures=[architecture], hf_text_config=text,
+                                 enforce_eager=False)
+
+
+def resolved_k3(cc: dict, breakable: str | None, *, rocm: bool = False, extra=None,
+                architecture: str = K3):
+    """A ``VllmConfig`` for a K3 checkpoint after vLLM's breakable-CUDA-graph resolution,
+    on a CUDA (or ROCm) platform stand-in; returns it and the environment it left.
+
+    Built without ``$VLLM_USE_BREAKABLE_CUDAGRAPH`` (its ``__post_init__`` has no model to
+    read), given the model config, then resolved by vLLM's own method with the variable as
+    the user set it. vLLM 0.33.0 writes its answer to ``os.environ`` (returned, then
+    restored), 0.34.0 to ``compilation_config.use_breakable_cudagraph``."""
+    from vllm.config import CompilationConfig, VllmConfig
+
+    env = {k: v for k, v in os.environ.items() if k != BREAKABLE}
+    with mock.patch.dict(os.environ, env, clear=True), \
+            gpu_platform("rocm" if rocm else "cuda"):
+        config = VllmConfig(compilation_config=CompilationConfig(**cc),
+                            additional_config=extra or {})
+        object.__setattr__(config, "model_config", k3_model_config(architecture))
+        if breakable is not None:
+            os.environ[BREAKABLE] = breakable
+        config._maybe_enable_breakable_cudagraph()
+        resolved_env = dict(os.environ)
+    return config, resolved_env
+
+
+def speculative_config(method: str, hf_config, speculator_class: str | None = None):
+    """vLLM's ``SpeculativeConfig`` serving ``method`` with a drafter whose ``hf_config``
+    is given: a stand-in for building one, which loads the drafter's checkpoint. vLLM's
+    own properties read it (0.34.0's ``uses_aux_hidden_states``; 0.33.0's
+    ``requires_aux_hidden_states`` reads ``method`` and ``hf_config``); its hash is the
+    method and the drafter's config (``compute_hash``, ``compile_factors``).
+    ``speculator_class``: the config class the drafter's model declares (0.34.0)."""
+    from vllm.config import SpeculativeConfig
+
+    spec = object.__new__(SpeculativeConfig)
+    draft = types.SimpleNamespace(hf_config=hf_config, model=f"stand-in {method} drafter",
+                                  speculator_config_class=speculator_class)
+    key = f"{method} {hf_config.to_dict()}"
+    for name, value in {"method": method, "custom_method": None, "draft_model_config": draft,
+                        "compute_hash": lambda: key, "compile_factors": lambda: {"key": key},
+                        "use_ngram_gpu": lambda: False}.items():
+        object.__setattr__(spec, name, value)
+    return spec
 
 
 # ---------------------------------------------------------------- one serving process
