@@ -23,6 +23,7 @@ import json
 import os
 import re
 import shlex
+import threading
 from pathlib import Path
 from unittest import mock
 
@@ -406,3 +407,58 @@ def test_readme_vllm_command_through_vllms_engine_args(tmp_path):
     out, calls = run_eager("nvidia", torch.float32, 8, False)
     assert_aux(h.aux_of(out), truth(torch.float32, 8), torch.float32, "README command")
     assert "pure" not in calls.own and len(calls.kimi) == FUSED
+
+
+# ------------------------------------------------- vLLM's flag alone; forwards in threads
+
+def test_vllm_k3_vllms_flag_alone_is_served_fused():
+    """vLLM's own flag on, our variable unset, no drafter: the stream it asks for is served
+    fused, NVIDIA and ROCm: as many AttnRes calls as vLLM's flag-off forward makes
+    (counted unrouted), none of them a pure mixing call."""
+    flag_off = h.Calls()
+    with h.with_own_attn_res(*(flag_off.wrap(k) for k in own_kernels(8))), h.flag(False):
+        h.call(h.build(SPEC, h.weights(SPEC), CAPTURE), h.token_ids(SPEC, 8))
+    for vendor, T in (("nvidia", 8), ("amd", 1)):
+        out, calls = run_eager(vendor, torch.float32, T, True, stream=None)
+        assert_aux(h.aux_of(out), truth(torch.float32, T), torch.float32, f"{vendor}, flag")
+        assert calls.kimi == ["attn_res_capture"] * FUSED, (vendor, calls.kimi)
+        assert len(calls.own) + len(calls.kimi) == len(flag_off.own) and \
+            "pure" not in calls.own, (vendor, calls.own)
+
+
+def test_vllm_k3_eager_route_two_threads():
+    """Two forwards in two threads: the first paused while its capture 3 waits for its
+    consumer (at layer 3's norm-weight read, a stand-in), the second run whole meanwhile;
+    each thread's captures are its own, and both forwards return the stream."""
+    paused, resume = threading.Event(), threading.Event()
+
+    class PausingNorm(h.Weights):
+        def __getattr__(self, name):
+            pending = route.current().pending()  # type: ignore[union-attr]
+            if name == "weight" and threading.current_thread().name == "first" and pending:
+                paused.set()
+                resume.wait(120)
+            return super().__getattr__(name)
+
+    config, env = resolved({}, None)
+    results: dict = {}
+
+    def forward(T):
+        try:
+            results[T] = h.aux_of(h.call(model, h.token_ids(SPEC, T)))
+        except Exception as e:  # noqa: BLE001  (reported by the assertion below)
+            results[T] = e
+
+    with h.flag(False), served(8) as served_route:
+        model = h.build(SPEC, h.weights(SPEC), CAPTURE)
+        k3_plan.startup(model, config, served_route.choice)
+        model.layers[3].self_attention_res_norm.__class__ = PausingNorm
+        first = threading.Thread(target=forward, args=(8,), name="first")
+        first.start()
+        assert paused.wait(120), "the first forward never reached its pause"
+        forward(1)
+        resume.set()
+        first.join(120)
+    for T in (8, 1):
+        assert not isinstance(results[T], Exception), results[T]
+        assert_aux(results[T], truth(torch.float32, T), torch.float32, f"thread T={T}")
