@@ -18,8 +18,8 @@ imports no vLLM module.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
+from typing import NamedTuple
 
 from kimi_passes.config.stream import DRAFT_KEY, ENV_VAR, check_stream
 
@@ -36,8 +36,7 @@ class StreamConflict(VllmRouteError):
     """Two sources ask for different aux streams."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Ask:
+class Ask(NamedTuple):
     """One source asking for ``stream``: ``kind`` (``OURS`` ...), ``said`` (what it said,
     for messages), ``undo`` (how the user withdraws it)."""
 
@@ -47,8 +46,7 @@ class Ask:
     undo: str
 
 
-@dataclasses.dataclass(frozen=True)
-class StreamChoice:
+class StreamChoice(NamedTuple):
     """The stream served and every source that asked (``asked`` empty: vLLM's default)."""
 
     stream: str
