@@ -17,6 +17,7 @@ import importlib.util
 import json
 import os
 import re
+import sys
 from pathlib import Path
 from unittest import mock
 
@@ -128,6 +129,8 @@ METHODS = list(DRAFTERS)
 def test_vllm_k3_stream_is_the_drafters_or_refused(engine, method):
     """Each stream the drafter declares, with our variable unset (the drafter's stream),
     set the same (served, both named) and set the other (refused at init, both named)."""
+    nvidia, _ = h.vllm_modules()
+    before = dict(vars(nvidia.KimiLinearModel)), nvidia.attn_res, list(sys.meta_path)
     for declared in ("attn_res", "prefix"):
         config = engine(method, declared)
         where = f"the {method} drafter's config"
@@ -141,6 +144,8 @@ def test_vllm_k3_stream_is_the_drafters_or_refused(engine, method):
                 f"${ENV_VAR}={OTHER[declared]} asks for '{OTHER[declared]}', {where}")):
             with k3_process(config, **{ENV_VAR: OTHER[declared]}):
                 pass
+    # unroute_attn_res put every name back and dropped the import hook
+    assert (dict(vars(nvidia.KimiLinearModel)), nvidia.attn_res, list(sys.meta_path)) == before
 
 
 def test_vllm_k3_a_drafter_declaring_attn_res_gets_the_mixture(engine):
