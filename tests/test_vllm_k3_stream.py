@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import logging
 import os
 import re
 import sys
@@ -150,17 +151,27 @@ def test_vllm_k3_stream_is_the_drafters_or_refused(engine, method):
 
 def test_vllm_k3_a_drafter_declaring_attn_res_gets_the_mixture(engine):
     """Only the plugin installed (no variable, vLLM's flag off): a drafter declaring
-    attn_res is served the mixture, fused, with no pure mixing call."""
+    attn_res is served the mixture, fused, with no pure mixing call; the startup line
+    goes to vLLM's logger tree (``vllm``), the one vLLM's logging config prints."""
     T, spec, ids = 4, h.Spec(), (0, 2, 3, 5, 6)
     with h.with_own_attn_res(h.vllm_attn_res(), h.vllm_amd_attn_res()), h.flag(True):
         want = h.aux_of(h.call(h.build(spec, h.weights(spec), ids), h.token_ids(spec, T)))
-    calls = h.Calls()
+    calls, lines = h.Calls(), []
     own = calls.wrap(h.vllm_attn_res())
-    with h.with_own_attn_res(own, own), k3_process(engine("dflash", "attn_res")) as init:
-        assert init._kimi_passes_plan.stream == "attn_res"
-        model = h.build(spec, h.weights(spec), ids)
-        with calls:
-            got = h.aux_of(h.call(model, h.token_ids(spec, T)))
+    handler = logging.Handler()
+    handler.emit = lines.append  # type: ignore[method-assign]
+    vllm_log = logging.getLogger("vllm")  # the tree vLLM's logging config prints
+    vllm_log.addHandler(handler)
+    try:
+        with h.with_own_attn_res(own, own), k3_process(engine("dflash", "attn_res")) as init:
+            assert init._kimi_passes_plan.stream == "attn_res"
+            model = h.build(spec, h.weights(spec), ids)
+            with calls:
+                got = h.aux_of(h.call(model, h.token_ids(spec, T)))
+    finally:
+        vllm_log.removeHandler(handler)
+    assert any(r.getMessage().startswith("kimi_passes: aux stream attn_res (from the dflash")
+               for r in lines), "the startup line did not reach vLLM's logger"
     assert calls.kimi == ["attn_res_capture"] * 4 and "pure" not in calls.own, calls.kimi
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         torch.testing.assert_close(g, w, atol=OP_TOL[torch.float32], rtol=OP_TOL[torch.float32],

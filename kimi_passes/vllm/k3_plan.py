@@ -27,7 +27,9 @@ import logging
 from kimi_passes.config.stream import ENV_VAR, resolve_aux_stream
 from kimi_passes.vllm.k3_stream import StreamChoice, VllmRouteError
 
-log = logging.getLogger(__name__)
+#: The startup line's logger: under ``vllm``, the one tree vLLM's logging config prints
+#: (its handler is on ``vllm``, which does not propagate; ``kimi_passes.*`` INFO is dropped).
+log = logging.getLogger("vllm.kimi_passes")
 
 EAGER, COMPILED = "eager", "compiled"
 KIMI_BACKENDS = ("kimi",)
