@@ -5,6 +5,7 @@
     python -m kimi_passes --stream prefix --dtype bf16 --tokens 32
     python -m kimi_passes --dump dump/ --show-graph
     python -m kimi_passes bench [args]             # kimi_passes.bench, when installed
+    python -m kimi_passes vllm-plan <vllm serve args>   # what vLLM will serve for K3
 
 Each stage is compiled with ``kimi_backend`` (caches off, so the pass runs and
 reports), run, and its taps compared with the reference: in the attn_res stream the
@@ -70,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kimi-passes",
         description="Compile the embedded tiny Kimi K3 with kimi_backend and check that every "
-                    "aux tap reads what it should. Subcommand: 'bench [args]'.")
+                    "aux tap reads what it should. Subcommands: 'bench [args]', 'vllm-plan "
+                    "<vllm serve args>' (what vLLM will serve for K3).")
     p.add_argument("--layers", type=int, help="decoder layers L (default 4)")
     p.add_argument("--block-size", type=int, help="AttnRes block size S in layers (default 2)")
     p.add_argument("--hidden", type=int, help="hidden size H (default 64)")
@@ -168,6 +170,10 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
         return _bench(argv[1:])
+    if argv[:1] == ["vllm-plan"]:
+        from kimi_passes.vllm.plan_command import main as vllm_plan
+
+        return vllm_plan(argv[1:])
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

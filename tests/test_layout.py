@@ -314,9 +314,11 @@ PUBLIC = {
         "attn_res_reference", "attn_res_triton", "aux_tap_op", "quant_fp8_constants"],
     "kimi_passes.bench": ["main", "bench_op", "bench_tap", "bench_pass", "bench_compile",
                           "bench_quant"],
-    # Imports vLLM only when register() routes (the vllm.general_plugins entry point).
-    "kimi_passes.vllm.k3_route": ["register", "route_attn_res", "unroute_attn_res",
-                                  "vllm_attn_res", "vllm_attn_res_amd"],
+    # Imports no vLLM module (the vllm.general_plugins entry point); EagerRoute, current
+    # and serve_eager: the route's state and its public hook (tools/gpu/eager_route.py).
+    "kimi_passes.vllm.k3_route": ["EagerRoute", "current", "register", "route_attn_res",
+                                  "serve_eager", "unroute_attn_res", "vllm_attn_res",
+                                  "vllm_attn_res_amd"],
 }
 #: Needs vLLM (skipped without it).
 PUBLIC_VLLM = {"kimi_passes.vllm": [

@@ -9,7 +9,8 @@ new README command cannot escape.
 
 A command runs in this process, through ``kimi_passes.__main__.main(argv)`` (what ``-m``
 calls; one interpreter for all, not an import per command), in a fresh working directory
-(``--dump dump/`` writes there), with the line's ``VAR=value`` prefixes set. The main job
+(``--dump dump/`` writes there; ``vllm-plan``, marked ``vllm``, from the checkout's root,
+where its ``config.json`` paths lie), with the line's ``VAR=value`` prefixes set. The main job
 runs at the documented arguments. ``bench --quick`` (a minute-sized run) runs at a tiny
 size: its sections and its mode, with the smallest shapes (``TINY_BENCH``).
 
@@ -22,9 +23,11 @@ to covering each (tests/test_main_job.py has the cheap cases, with ATen fallback
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from helpers.k3 import TINY_BENCH, main_job_rows
@@ -106,8 +109,9 @@ def test_the_commands_cover_the_main_jobs_features():
 
 
 def run(argv: list[str], env: dict[str, str], tmp_path: Path, monkeypatch) -> int:
-    """Run ``python -m kimi_passes argv`` in this process; its exit status."""
-    monkeypatch.chdir(tmp_path)
+    """Run ``python -m kimi_passes argv`` in this process; its exit status. ``vllm-plan``
+    runs from the checkout's root (its ``config.json`` paths are the checkout's)."""
+    monkeypatch.chdir(ROOT if argv[:1] == ["vllm-plan"] else tmp_path)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     if argv[:1] == ["bench"] and "--quick" in argv:
@@ -164,18 +168,33 @@ def check_bench(tmp_path: Path) -> None:
 
 
 def params() -> list:
-    """One per command; ``heavy`` where it compiles (all but ``--help``)."""
-    return [line if "--help" in line.split() else pytest.param(line, marks=pytest.mark.heavy)
-            for line in readme_commands()]
+    """One per command; ``heavy`` where it compiles (all but ``--help``), ``vllm`` for
+    ``vllm-plan`` (vLLM's own config resolution)."""
+    return [line if "--help" in line.split() else
+            pytest.param(line, marks=pytest.mark.vllm, id="vllm-plan") if " vllm-plan " in line
+            else pytest.param(line, marks=pytest.mark.heavy) for line in readme_commands()]
+
+
+def check_vllm_plan(out: str) -> None:
+    """The README's plan: the drafter's declared stream, served by the eager route."""
+    import kimi_passes.vllm.k3_route as route
+
+    route.unroute_attn_res()  # vLLM loaded our plugin into this process
+    assert re.search(r"^stream +attn_res, from the dflash drafter's config", out, re.M), out
+    assert re.search(r"^route +eager: compilation mode NONE", out, re.M), out
+    assert re.search(r"^refused +nothing$", out, re.M), out
 
 
 @pytest.mark.parametrize("line", params())
 def test_the_readme_command_runs(line, tmp_path, monkeypatch, capsys):
     env, argv = parse(line)
-    rc = run(argv, env, tmp_path, monkeypatch)
+    with mock.patch.dict(os.environ):  # vLLM's config resolution writes the environment
+        rc = run(argv, env, tmp_path, monkeypatch)
     out, err = capsys.readouterr()
     assert rc == 0, f"`{line}` exited {rc}:\n{out[-4000:]}\n{err[-4000:]}"
-    if argv[:1] != ["bench"]:
+    if argv[:1] == ["vllm-plan"]:
+        check_vllm_plan(out)
+    elif argv[:1] != ["bench"]:
         check_main_job(argv, out, tmp_path)
     elif "--quick" in argv:
         check_bench(tmp_path)

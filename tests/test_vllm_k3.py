@@ -45,6 +45,7 @@ from helpers.vllm_harness import (  # noqa: E402
     count_attn_res,
     load_vllm_plugins,
     new_vllm_config,
+    start_k3_route,
 )
 
 import kimi_passes  # noqa: E402
@@ -53,7 +54,6 @@ import kimi_passes.vllm.k3_route as route  # noqa: E402
 from kimi_passes.config.stream import ENV_VAR  # noqa: E402
 from kimi_passes.fx.manager import PassObserver  # noqa: E402
 from kimi_passes.ops import AttnResArgumentError  # noqa: E402
-from kimi_passes.vllm import k3_eager  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("aten_fallback", "caches_off")]
 
@@ -75,7 +75,7 @@ def routed():
     """
     h.vllm_modules()
     with h.with_own_attn_res(h.kimi_own, h.kimi_own):  # vLLM's own kernel's stand-in
-        load_vllm_plugins("attn_res")
+        start_k3_route("attn_res")
         yield
         route.unroute_attn_res()
 
@@ -135,10 +135,15 @@ def test_vllm_k3_plugin_routes_attn_res_only_when_enabled():
     nvidia, amd = h.vllm_modules()
     own = (nvidia.attn_res, amd.attn_res)
     assert own[0].__module__ == "vllm.models.kimi_k3.nvidia.ops.attn_res"
-    load_vllm_plugins(None)  # a vLLM user who did not enable kimi_passes: nothing changes
-    assert (nvidia.attn_res, amd.attn_res) == own
     try:
-        load_vllm_plugins("prefix")
+        start_k3_route(None)  # no source asks for a stream: nothing changes
+        assert (nvidia.attn_res, amd.attn_res) == own
+    finally:
+        route.unroute_attn_res()
+    try:
+        load_vllm_plugins("prefix")  # no K3 model built yet: nothing changes
+        assert (nvidia.attn_res, amd.attn_res) == own
+        start_k3_route("prefix")  # a K3 model's init resolved the stream
         assert nvidia.attn_res is route.vllm_attn_res
         assert sys.modules["vllm.models.kimi_k3.nvidia.ops"].attn_res is route.vllm_attn_res
         assert amd.attn_res is route.vllm_attn_res_amd
@@ -181,7 +186,9 @@ def fp8_platform(fnuz: bool):
 def expect_capture(args):
     """Make the next ``attn_res`` call with ``args`` a capture's consumer (in eager only
     consumers run the route's kimi ops; ``k3_eager``)."""
-    k3_eager.expect(args[3], args[0])
+    current = route.current()
+    assert current is not None
+    current.expect(args[3], args[0])
 
 
 def test_vllm_k3_amd_route_quant_is_vllms_own_kernel(routed):
@@ -226,7 +233,9 @@ def test_vllm_k3_amd_route_quant_is_vllms_own_kernel(routed):
     expect_capture(call)
     with fp8_platform(False), pytest.raises(ValueError, match="FP8 bound is 448"):
         amd.attn_res(*call, quant_dtype=fnuz)
-    k3_eager._expected.clear()
+    current = route.current()
+    assert current is not None
+    current.pending().clear()
 
 
 @pytest.mark.heavy

@@ -23,6 +23,7 @@ import json
 import os
 import re
 import shlex
+import threading
 from pathlib import Path
 from unittest import mock
 
@@ -38,14 +39,14 @@ from helpers.vllm_harness import (  # noqa: E402
     BREAKABLE,
     K3,
     gpu_platform,
-    load_vllm_plugins,
     resolved_k3,
+    start_k3_route,
 )
 
 import kimi_passes.graphs.vllm_k3 as h  # noqa: E402
 import kimi_passes.vllm.k3_route as route  # noqa: E402
 from kimi_passes.config.stream import ENV_VAR  # noqa: E402
-from kimi_passes.vllm import k3_eager, k3_plan  # noqa: E402
+from kimi_passes.vllm import k3_eager, k3_plan, k3_stream  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("aten_fallback", "caches_off")]
 
@@ -65,15 +66,18 @@ def own_kernels(T: int):
 
 
 @contextlib.contextmanager
-def served(T: int, stream: str = "attn_res", calls: h.Calls | None = None):
-    """The plugin loaded as vLLM loads it, vLLM's own kernels (counted) at non-consumers."""
+def served(T: int, stream: str | None = "attn_res", calls: h.Calls | None = None,
+           vllm_config=None):
+    """The plugin loaded and the stream resolved as vLLM's K3 process does
+    (``start_k3_route``: ``$KIMI_PASSES_AUX_STREAM`` = ``stream``, vLLM's flag as set,
+    ``vllm_config``'s drafter); vLLM's own kernels (counted) at non-consumers. Yields the
+    process's ``EagerRoute``."""
     nvidia_fn, amd_fn = own_kernels(T)
     if calls is not None:
         nvidia_fn, amd_fn = calls.wrap(nvidia_fn), calls.wrap(amd_fn)
     with h.with_own_attn_res(nvidia_fn, amd_fn):
-        load_vllm_plugins(stream)
         try:
-            yield
+            yield start_k3_route(stream, vllm_config)
         finally:
             route.unroute_attn_res()
 
@@ -165,30 +169,29 @@ def test_vllm_k3_refusals_name_the_fix():
 
 # ----------------------------------------------------------------- the eager route, served
 
-def run_eager(vendor, dtype, T, on, *, ids=CAPTURE, at_capture=None, **build):
+def run_eager(vendor, dtype, T, on, *, ids=CAPTURE, at_capture=None, stream="attn_res",
+              **build):
     """One eager forward of the installed code under the plugin; its aux and its calls.
 
     ``at_capture``: a list that gets, at each capture's consumer call and before it runs,
     what vLLM's flag-on capture computes there: vLLM's own ``attn_res`` of ``prefix +
     pending`` with no delta and no output norm, over the consumer's bank, weights and
-    ``num_blocks`` (``_capture_aux_hidden_stream``).
+    ``num_blocks`` (``_capture_aux_hidden_stream``). ``stream``: ``$KIMI_PASSES_AUX_STREAM``
+    (None: unset).
     """
     calls = h.Calls()
     config, env = resolved({}, None)
     own = own_kernels(T)[vendor == "amd"]
-    claim = k3_eager.claim
 
-    def claim_and_record(args, kwargs):
-        buffer = claim(args, kwargs)
-        if buffer is not None and at_capture is not None:
+    def record(args, kwargs):
+        if at_capture is not None:
             with torch.utils._python_dispatch._disable_current_modes():  # not the forward's
                 at_capture.append(own(*k3_eager.capture_call(args, kwargs)))
-        return buffer
 
-    with served(T, calls=calls), h.flag(on), \
-            mock.patch.object(k3_eager, "claim", claim_and_record):
+    with h.flag(on), served(T, stream=stream, calls=calls) as served_route, \
+            served_route.watch(record):
         model = h.build(SPEC, h.weights(SPEC, dtype), ids, amd=vendor == "amd", **build)
-        plan = k3_plan.startup(model, config, "attn_res")  # what __init__ runs
+        plan = k3_plan.startup(model, config, served_route.choice)  # what __init__ runs
         assert plan.route == "eager", plan
         calls.own.clear()
         with calls:
@@ -228,7 +231,7 @@ def test_vllm_k3_eager_route_pp_stages():
     for T in (1, 8):
         for on in (False, True):
             calls = h.Calls()
-            with served(T, calls=calls), h.flag(on):
+            with h.flag(on), served(T, calls=calls):
                 stages = [h.build(SPEC, w, CAPTURE, start=0, end=4, pp=first),
                           h.build(SPEC, w, CAPTURE, start=4, end=6, pp=last)]
                 for m in stages:
@@ -248,7 +251,7 @@ def test_vllm_k3_eager_route_refuses_a_stage_crossing_capture():
     """Capture id 4 at the end of stage [0, 4): its consumer is on the next stage. vLLM
     refuses it flag on; flag off it would hand the drafter the prefix: refused too."""
     stage = h.Stage(is_last_rank=False, world_size=2)
-    with served(1), h.flag(False), pytest.raises(RuntimeError, match=(
+    with h.flag(False), served(1), pytest.raises(RuntimeError, match=(
             r"capture id 4 is this pipeline stage's last layer .*\[0, 4\).*VLLM_PP_LAYER")):
         h.build(SPEC, h.weights(SPEC), (0, 4), start=0, end=4, pp=stage)
 
@@ -262,7 +265,7 @@ def test_vllm_k3_eager_route_sequence_parallel():
     with mock.patch.multiple(nvidia, **identity):
         calls = h.Calls()
         config, env = resolved({}, None)
-        with served(8, calls=calls), h.flag(False):
+        with h.flag(False), served(8, calls=calls):
             model = h.build(SPEC, h.weights(SPEC), CAPTURE)
             model.use_sequence_parallel = True
             for layer in model.layers:
@@ -275,16 +278,18 @@ def test_vllm_k3_eager_route_sequence_parallel():
 
 
 def test_vllm_k3_eager_route_prefix_stream_is_vllms_own():
-    """``$KIMI_PASSES_AUX_STREAM=prefix``: vLLM's values, bit for bit, flag off and on."""
-    for on in (False, True):
-        with h.with_own_attn_res(*own_kernels(8)), h.flag(on):
-            want = h.aux_of(h.call(h.build(SPEC, h.weights(SPEC), CAPTURE),
-                                   h.token_ids(SPEC, 8)))
-        with served(8, stream="prefix"), h.flag(on):
-            got = h.aux_of(h.call(h.build(SPEC, h.weights(SPEC), CAPTURE),
-                                  h.token_ids(SPEC, 8)))
-        for g, w in zip(got, want, strict=True):
-            assert torch.equal(g, w), f"flag {on}"
+    """``$KIMI_PASSES_AUX_STREAM=prefix``: vLLM's values, bit for bit, flag off; with vLLM's
+    flag on the two variables disagree, and the init refuses naming both."""
+    with h.with_own_attn_res(*own_kernels(8)), h.flag(False):
+        want = h.aux_of(h.call(h.build(SPEC, h.weights(SPEC), CAPTURE), h.token_ids(SPEC, 8)))
+    with h.flag(False), served(8, stream="prefix"):
+        got = h.aux_of(h.call(h.build(SPEC, h.weights(SPEC), CAPTURE), h.token_ids(SPEC, 8)))
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    with h.flag(True), pytest.raises(k3_stream.StreamConflict, match=(
+            rf"\${ENV_VAR}=prefix asks for 'prefix', \${h.FLAG}=1 asks for 'attn_res'")):
+        with served(8, stream="prefix"):
+            pass
 
 
 def test_vllm_k3_eager_route_quant_consumer():
@@ -295,12 +300,13 @@ def test_vllm_k3_eager_route_quant_consumer():
     _, amd = h.vllm_modules()
     args = make_args(6, 64, 4, 3, 3, torch.bfloat16, delta=True, onorm=True, seed=5)
     fp8 = torch.float8_e4m3fn
-    with served(8), mock.patch.object(route, "_platform_quant_max", lambda dtype: 448.0):
+    with served(8) as served_route, \
+            mock.patch.object(route, "_platform_quant_max", lambda dtype: 448.0):
         want_data, want_scale = torch.ops.kimi.attn_res_quant(*clone_args(args), fp8,
                                                               quant_max=448.0)
         want_mixed = torch.ops.kimi.attn_res_capture(*clone_args(args))[1]
         got_args = clone_args(args)
-        aux = k3_eager.expect(got_args[3], got_args[0])
+        aux = served_route.expect(got_args[3], got_args[0])
         data, scale = amd.attn_res(*got_args, quant_dtype=fp8)
     assert torch.equal(data.view(torch.uint8), want_data.view(torch.uint8))
     assert torch.equal(scale, want_scale) and torch.equal(aux, want_mixed)
@@ -310,7 +316,7 @@ def test_vllm_k3_eager_plan_refuses_a_dynamo_trace():
     """A forward vLLM's config runs eagerly but Dynamo traces (a user's own
     ``torch.compile`` of the model) is refused at the capture, not served the prefix."""
     config, env = resolved({}, None)
-    with served(8), h.flag(False):
+    with h.flag(False), served(8):
         model = h.build(SPEC, h.weights(SPEC), CAPTURE)
         k3_plan.startup(model, config, "attn_res")
         torch._dynamo.reset()
@@ -374,7 +380,7 @@ def test_readme_vllm_command_through_vllms_engine_args(tmp_path):
             try:
                 config = EngineArgs.from_cli_args(parser.parse_args(args)).create_engine_config()
                 # vLLM loaded our entry point itself (pip install -e . declares it).
-                assert route._originals, "vLLM did not load the kimi_passes plugin"
+                assert route.current() is not None, "vLLM did not load kimi_passes"
             finally:
                 route.unroute_attn_res()
             plan = k3_plan.serving_plan(config, stream=os.environ[ENV_VAR],
@@ -383,3 +389,58 @@ def test_readme_vllm_command_through_vllms_engine_args(tmp_path):
     out, calls = run_eager("nvidia", torch.float32, 8, False)
     assert_aux(h.aux_of(out), truth(torch.float32, 8), torch.float32, "README command")
     assert "pure" not in calls.own and len(calls.kimi) == FUSED
+
+
+# ------------------------------------------------- vLLM's flag alone; forwards in threads
+
+def test_vllm_k3_vllms_flag_alone_is_served_fused():
+    """vLLM's own flag on, our variable unset, no drafter: the stream it asks for is served
+    fused, NVIDIA and ROCm: as many AttnRes calls as vLLM's flag-off forward makes
+    (counted unrouted), none of them a pure mixing call."""
+    flag_off = h.Calls()
+    with h.with_own_attn_res(*(flag_off.wrap(k) for k in own_kernels(8))), h.flag(False):
+        h.call(h.build(SPEC, h.weights(SPEC), CAPTURE), h.token_ids(SPEC, 8))
+    for vendor, T in (("nvidia", 8), ("amd", 1)):
+        out, calls = run_eager(vendor, torch.float32, T, True, stream=None)
+        assert_aux(h.aux_of(out), truth(torch.float32, T), torch.float32, f"{vendor}, flag")
+        assert calls.kimi == ["attn_res_capture"] * FUSED, (vendor, calls.kimi)
+        assert len(calls.own) + len(calls.kimi) == len(flag_off.own) and \
+            "pure" not in calls.own, (vendor, calls.own)
+
+
+def test_vllm_k3_eager_route_two_threads():
+    """Two forwards in two threads: the first paused while its capture 3 waits for its
+    consumer (at layer 3's norm-weight read, a stand-in), the second run whole meanwhile;
+    each thread's captures are its own, and both forwards return the stream."""
+    paused, resume = threading.Event(), threading.Event()
+
+    class PausingNorm(h.Weights):
+        def __getattr__(self, name):
+            pending = route.current().pending()  # type: ignore[union-attr]
+            if name == "weight" and threading.current_thread().name == "first" and pending:
+                paused.set()
+                resume.wait(120)
+            return super().__getattr__(name)
+
+    config, env = resolved({}, None)
+    results: dict = {}
+
+    def forward(T):
+        try:
+            results[T] = h.aux_of(h.call(model, h.token_ids(SPEC, T)))
+        except Exception as e:  # noqa: BLE001  (reported by the assertion below)
+            results[T] = e
+
+    with h.flag(False), served(8) as served_route:
+        model = h.build(SPEC, h.weights(SPEC), CAPTURE)
+        k3_plan.startup(model, config, served_route.choice)
+        model.layers[3].self_attention_res_norm.__class__ = PausingNorm
+        first = threading.Thread(target=forward, args=(8,), name="first")
+        first.start()
+        assert paused.wait(120), "the first forward never reached its pause"
+        forward(1)
+        resume.set()
+        first.join(120)
+    for T in (8, 1):
+        assert not isinstance(results[T], Exception), results[T]
+        assert_aux(results[T], truth(torch.float32, T), torch.float32, f"thread T={T}")

@@ -49,18 +49,17 @@ def test_the_installed_vllm_is_a_tested_one():
 
 @pytest.mark.parametrize("version", ["0.32.9", "0.35.0", "0.35.0rc1", "1.0.0"])
 def test_an_untested_vllm_is_named_at_startup(version, monkeypatch, caplog):
-    """Below 0.33.0 or above 0.34.x: ``register`` logs a warning naming the installed and
-    the tested versions, once per process; inside the range, none."""
+    """Below 0.33.0 or above 0.34.x: the first K3 model's init logs a warning naming the
+    installed and the tested versions, once per process; inside the range, none."""
     for tested in ("0.33.0", "0.34.0", "0.34.7.dev2+g1234"):
         assert versions.untested_warning(tested) is None, tested
     monkeypatch.setattr(versions, "installed_version", lambda: version)
     monkeypatch.setattr(versions, "_warned", set())
     h.vllm_modules()
     with caplog.at_level(logging.WARNING, logger="kimi_passes"):
-        vh.load_vllm_plugins("attn_res")
-        route.unroute_attn_res()
-        vh.load_vllm_plugins("attn_res")
-        route.unroute_attn_res()
+        for _ in range(2):  # two K3 inits in one process
+            vh.start_k3_route("attn_res")
+            route.unroute_attn_res()
     said = [r.getMessage() for r in caplog.records if "outside the versions" in r.getMessage()]
     assert len(said) == 1, said
     assert f"vLLM {version} is outside the versions kimi_passes is tested on (0.33.0, " \
@@ -73,7 +72,7 @@ def test_a_vllm_version_that_is_no_version_is_an_error():
         versions.release("dev")
 
 
-# ------------------------------------------------------- a changed K3, refused at register
+# ------------------------------------------- a changed K3, refused at the first K3 init
 
 def _renamed(cls: type, name: str, new: str) -> type:
     """vLLM's ``cls`` with method ``name`` renamed ``new`` (a stand-in class)."""
@@ -115,25 +114,30 @@ def _changed(vendor: str, change: str):
 
 @pytest.mark.parametrize("vendor", ["nvidia", "amd"])
 @pytest.mark.parametrize("change", ["renamed", "new parameter", "attn_res"])
-def test_vllm_register_refuses_a_changed_k3(vendor, change):
+def test_vllm_startup_refuses_a_changed_k3(vendor, change):
     """A renamed capture method, one with a new parameter, an ``attn_res`` with other
-    parameters: ``register`` raises naming the change and the tested versions, and
-    nothing of vLLM's is routed or wrapped."""
+    parameters: the first K3 init under the stream (``k3_route.activate``) raises naming
+    the change and the tested versions, and nothing of vLLM's is routed or wrapped."""
     module, name, stand_in, says = _changed(vendor, change)
     own_attn_res = {m: vars(sys.modules[m])["attn_res"] for m in route.ROUTES}
     with mock.patch.object(module, name, stand_in), pytest.raises(
             k3_surface.K3SurfaceError, match=rf"Kimi K3 is not the one the route was written "
                                              rf"for \(vLLM 0.33.0, 0.34.0\): .*{says}.*"
                                              r"unset \$KIMI_PASSES_AUX_STREAM"):
-        vh.load_vllm_plugins("attn_res")
+        vh.start_k3_route("attn_res")
+    routed = route.current()
     assert {m: vars(sys.modules[m])["attn_res"] for m in route.ROUTES} == own_attn_res
-    assert not route._originals and not route._class_originals
+    assert routed is not None and not routed.originals and not routed.own
+    # Only the init wrap (armed at the K3 import, before any stream is asked) is installed.
+    assert {attr for _, attr in routed.class_originals} <= {"__init__"}
+    route.unroute_attn_res()
 
 
 def test_vllm_k3_record_is_what_the_route_wraps():
     """``k3_surface.METHODS`` names exactly the methods the route wraps, per vendor."""
     for vendor in ("nvidia", "amd"):
-        assert set(k3_surface.METHODS[vendor]) == set(route._methods(vendor, "attn_res"))
+        wrapped = {*route._methods(route.EagerRoute(), vendor), "__init__"}
+        assert set(k3_surface.METHODS[vendor]) == wrapped
         assert k3_surface.CAPTURE[vendor] in k3_surface.METHODS[vendor]
 
 

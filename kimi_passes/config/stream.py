@@ -16,7 +16,8 @@ DEFAULT_STREAM = "attn_res"
 DRAFT_KEY = "aux_hidden_stream"
 
 
-def _check(value, source: str) -> str:
+def check_stream(value, source: str) -> str:
+    """``value`` if it names a stream, else a ``ValueError`` naming ``source``."""
     if value not in STREAMS:
         raise ValueError(
             f"kimi_passes: unknown aux stream {value!r} from {source}; use one of "
@@ -57,7 +58,7 @@ def draft_stream(draft_config) -> str | None:
     config = load_draft_config(draft_config)
     if DRAFT_KEY not in config:
         return None
-    return _check(config[DRAFT_KEY], f"the drafter config's {DRAFT_KEY!r}")
+    return check_stream(config[DRAFT_KEY], f"the drafter config's {DRAFT_KEY!r}")
 
 
 def resolve_aux_stream(aux_stream: str | None = None, draft_config=None) -> str:
@@ -68,10 +69,10 @@ def resolve_aux_stream(aux_stream: str | None = None, draft_config=None) -> str:
     """
     declared = draft_stream(draft_config)
     if aux_stream is not None:
-        return _check(aux_stream, "the aux_stream argument")
+        return check_stream(aux_stream, "the aux_stream argument")
     env = os.environ.get(ENV_VAR)
     if env:
-        return _check(env, f"${ENV_VAR}")
+        return check_stream(env, f"${ENV_VAR}")
     if declared is not None:
         return declared
     return DEFAULT_STREAM

@@ -3,10 +3,11 @@
 - ``compile_pass``: ``KimiVllmPass``, the kimi pass manager as vLLM's post-grad
   ``InductorPass`` (``compile_config_entries``, ``make_vllm_pass``, the two named
   ``<stream>_stream_pass`` objects for ``inductor_passes``). Imports vLLM.
-- ``k3_route``: the ``vllm.general_plugins`` entry point; when ``$KIMI_PASSES_AUX_STREAM``
-  is set it routes vLLM's own K3 ``attn_res`` and wraps its model's methods: ``k3_eager``
-  (the stream in eager K3, vLLM's default) and ``k3_plan`` (served or refused at the
-  model's init). Imports vLLM only when it routes.
+- ``k3_route``: the ``vllm.general_plugins`` entry point; once vLLM imports its K3 model
+  (``k3_hook``) and a source asks for a stream (``k3_stream``) it routes vLLM's own K3
+  ``attn_res`` and wraps its model's methods: ``k3_eager`` (the stream in eager K3) and
+  ``k3_plan`` (served or refused at the model's init); ``plan_command`` is ``vllm-plan``.
+  Imports no vLLM module itself.
 - ``peer``: ``load_peer``, vLLM's K3 kernel file as the benches', tests' and tools' peer
   (an installed vLLM's file or a prepared copy, run with stand-ins). Never imports vLLM.
 

@@ -1,7 +1,8 @@
 """The attn_res stream in vLLM's eager K3: each capture read out of its consumer's call.
 
-vLLM 0.33.0 runs K3 eagerly (breakable CUDA graphs force mode NONE). Under
-``$KIMI_PASSES_AUX_STREAM=attn_res`` the plugin rebinds, class-level, the method vLLM's
+vLLM (0.33.0, 0.34.0) runs K3 eagerly (breakable CUDA graphs force mode NONE). When the stream
+resolved at the model's init is attn_res (``k3_stream``), the plugin rebinds, class-level,
+the method vLLM's
 forward captures through (NVIDIA ``_capture_aux_hidden_stream``, ROCm
 ``_maybe_add_hidden_state``); capture ``k``'s consumer is the call mixing with layer ``k``'s
 ``self_attention_res_norm`` weight (the output aggregation's for ``k == L``).
@@ -13,44 +14,127 @@ Before (vLLM, flag on; flag off returns ``prefix + pending`` instead)::
 
 After::
 
-    aux = prefix.new_empty(0); expect[w_k] = aux                 # the capture: no kernel
+    aux = prefix.new_empty(0); pending[w_k] = aux                # the capture: no kernel
     x, m = kimi::attn_res_capture(prefix, pending, bank, w_k, ...); aux.set_(m)
 
-Invariants: in eager, only a capture's consumer runs a kimi op; every other AttnRes
-call is vLLM's own ``attn_res`` (``k3_route``). The decisions are Python, made while the
-forward runs, so a CUDA-graph capture records them once and every replay writes the
-same buffers; nothing syncs with the host. Under Dynamo the captures are vLLM's own
-(the compiled route's pass rewrites them); a forward that ends with a capture
-unconsumed raises. docs/design.md section 11.
+Invariants: in eager, only a capture's consumer runs a kimi op; every other AttnRes call
+is vLLM's own ``attn_res``. The decisions are Python, taken as the forward runs (a CUDA
+graph records them once; nothing syncs). Pending captures are per thread (``EagerRoute``);
+a forward ending with one unconsumed raises. Under Dynamo the captures are vLLM's own (the
+compiled route's pass rewrites them). docs/design.md section 11.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import threading
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from kimi_passes.config.stream import ENV_VAR
 from kimi_passes.ops.attn_res_args import AttnResArgs
+from kimi_passes.vllm.k3_stream import StreamChoice
 
-#: Captures waiting for their consumer: ``id(norm weight) -> (weight, buffer)``.
-_expected: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-#: The stream the route serves (set by ``install``); ``None``: not installed.
-_stream: list[str | None] = [None]
-
-
-def fused() -> bool:
-    """Whether this call runs the eager route's fused capture (eager, attn_res stream)."""
-    return _stream[0] == "attn_res" and not torch.compiler.is_compiling()
+#: How the route's errors end: what turns it off.
+TURN_OFF = ("serve without the attn_res stream (unset $KIMI_PASSES_AUX_STREAM and "
+            "$VLLM_KIMI_K3_AUX_ATTN_RES_STREAM, or serve a drafter that declares no stream)")
 
 
-def claim(args: tuple, kwargs: dict) -> torch.Tensor | None:
-    """The capture buffer this ``attn_res`` call fills, if it is a capture's consumer."""
-    if not _expected:
-        return None
-    weight = args[3] if len(args) > 3 else kwargs["norm_weight"]
-    entry = _expected.pop(id(weight), None)
-    return None if entry is None else entry[1]
+def written_for() -> str:
+    """The vLLM versions the route was written for, for an error message."""
+    from kimi_passes.vllm import versions
+
+    return "vLLM " + " and ".join(versions.TESTED)
+
+
+class EagerRoute:
+    """The eager route's state in one process: the stream, this thread's pending captures,
+    vLLM's own ``attn_res`` by vendor, and every name the route replaced.
+
+    Built by ``k3_route.register`` (or ``k3_route.serve_eager``, without vLLM); each K3
+    model it serves holds it as ``_kimi_passes_route``. Pending captures are per thread
+    (``threading.local``): a forward in one thread never sees, clears or fills another's.
+    """
+
+    def __init__(self) -> None:
+        #: The stream and its sources, resolved at the first K3 model init (None before).
+        self.choice: StreamChoice | None = None
+        #: vLLM's own ``attn_res`` by vendor: what a call that is no consumer runs.
+        self.own: dict[str, Callable[..., Any]] = {}
+        #: vLLM's ``attn_res`` of each module the route rebound, by module name.
+        self.originals: dict[str, Any] = {}
+        #: The class attributes the route replaced: ``(class, name) -> own value or None``.
+        self.class_originals: dict[tuple[type, str], Any] = {}
+        #: The import hook ``register`` armed (``k3_hook``), if any.
+        self.hook: Any = None
+        self._watchers: list[Callable[[tuple, dict], None]] = []
+        self._local = threading.local()
+
+    @property
+    def stream(self) -> str | None:
+        return None if self.choice is None else self.choice.stream
+
+    def fused(self) -> bool:
+        """Whether this call runs the fused capture (eager, attn_res stream)."""
+        return self.stream == "attn_res" and not torch.compiler.is_compiling()
+
+    def pending(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """This thread's captures waiting for their consumer: ``id(weight) -> (weight,
+        buffer)``."""
+        found = getattr(self._local, "pending", None)
+        if found is None:
+            found = self._local.pending = {}
+        return found
+
+    def expect(self, weight: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """A buffer that the consumer mixing with ``weight`` fills (``Tensor.set_``)."""
+        pending = self.pending()
+        if id(weight) in pending:
+            raise RuntimeError(
+                "kimi_passes: two aux captures wait on one consumer call: vLLM's K3 forward "
+                f"is not the one the route was written for ({written_for()}); {TURN_OFF}")
+        buffer = like.new_empty(0)
+        pending[id(weight)] = (weight, buffer)
+        return buffer
+
+    def claim(self, args: tuple, kwargs: dict) -> torch.Tensor | None:
+        """The capture buffer this ``attn_res`` call fills, if it is a capture's consumer
+        (each watcher is first told the call: ``watch``)."""
+        pending = self.pending()
+        if not pending:
+            return None
+        weight = args[3] if len(args) > 3 else kwargs["norm_weight"]
+        entry = pending.pop(id(weight), None)
+        if entry is None:
+            return None
+        for watcher in self._watchers:
+            watcher(args, kwargs)
+        return entry[1]
+
+    @contextlib.contextmanager
+    def watch(self, watcher: Callable[[tuple, dict], None]):
+        """Call ``watcher(args, kwargs)`` at each capture's consumer call, before it runs
+        (tests and tools/gpu/eager_route.py compute vLLM's flag-on capture there)."""
+        self._watchers.append(watcher)
+        try:
+            yield
+        finally:
+            self._watchers.remove(watcher)
+
+    def begin_forward(self) -> None:
+        self.pending().clear()  # this thread's: a forward that raised may have left some
+
+    def end_forward(self) -> None:
+        pending = self.pending()
+        if pending:
+            left = len(pending)
+            pending.clear()
+            raise RuntimeError(
+                f"kimi_passes: {left} aux capture(s) of vLLM's K3 forward found no consumer "
+                "call (the next layer's AttnRes or the output aggregation): this vLLM is not "
+                f"the one the route was written for ({written_for()}); {TURN_OFF}")
 
 
 def capture_call(args: tuple, kwargs: dict) -> AttnResArgs:
@@ -61,17 +145,6 @@ def capture_call(args: tuple, kwargs: dict) -> AttnResArgs:
     prefix = a.prefix if a.delta is None else a.prefix + a.delta
     return a._replace(prefix=prefix, delta=None, output_norm_weight=None, block_write_idx=-1,
                       output_norm_eps=0.0)
-
-
-def expect(weight: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A buffer that the consumer mixing with ``weight`` fills (``Tensor.set_``)."""
-    if id(weight) in _expected:
-        raise RuntimeError(
-            "kimi_passes: two aux captures wait on one consumer call: vLLM's K3 forward "
-            f"is not the one the route was written for (vLLM 0.33.0); unset ${ENV_VAR}")
-    buffer = like.new_empty(0)
-    _expected[id(weight)] = (weight, buffer)
-    return buffer
 
 
 def _pp_group(model):
@@ -95,9 +168,9 @@ def crossing(capture_id: int, model) -> str:
             "non-final stage's end, or move the stage boundary (VLLM_PP_LAYER_PARTITION)")
 
 
-def check_capture_ids(model) -> None:
+def check_capture_ids(route: EagerRoute, model) -> None:
     """Refuse capture ids the route cannot serve on this stage (a stage-crossing id)."""
-    if _stream[0] != "attn_res":
+    if route.stream != "attn_res":
         return
     pp = _pp_group(model)
     ids = set(model.aux_hidden_state_layers)
@@ -108,8 +181,7 @@ def check_capture_ids(model) -> None:
         raise RuntimeError(
             f"kimi_passes: aux capture id {model.start_layer} is this pipeline stage's first "
             "layer, and this vLLM K3 (ROCm) returns no aux states over pipeline stages: "
-            "serve the drafter with pipeline_parallel_size 1, or unset "
-            f"${ENV_VAR}")
+            f"serve the drafter with pipeline_parallel_size 1, or {TURN_OFF}")
 
 
 def _check_compile_state(model) -> None:
@@ -122,20 +194,20 @@ def _check_compile_state(model) -> None:
             "eagerly")
 
 
-def nvidia_capture(own):
+def nvidia_capture(route: EagerRoute, own):
     """NVIDIA ``_capture_aux_hidden_stream``: fused in eager, ``own`` under Dynamo."""
 
     def _capture_aux_hidden_stream(self, layer_idx, prefix_sum, pending_mlp_out,
                                    block_residual):
         _check_compile_state(self)
-        if not (fused() and self.use_attn_res):
+        if not (route.fused() and self.use_attn_res):
             return own(self, layer_idx, prefix_sum, pending_mlp_out, block_residual)
-        return expect(consumer_weight(self, layer_idx + 1), prefix_sum)
+        return route.expect(consumer_weight(self, layer_idx + 1), prefix_sum)
 
     return _capture_aux_hidden_stream
 
 
-def amd_capture(own):
+def amd_capture(route: EagerRoute, own):
     """ROCm ``_maybe_add_hidden_state``: fused in eager, ``own`` under Dynamo.
 
     The first call (``start_layer``) is the embedding on the first stage (zero blocks mix
@@ -145,39 +217,36 @@ def amd_capture(own):
 
     def _maybe_add_hidden_state(self, aux_hidden_states, layer_idx, hidden_states, residual):
         _check_compile_state(self)
-        if not fused() or self.config.attn_res_block_size is None \
+        if not route.fused() or self.config.attn_res_block_size is None \
                 or layer_idx not in self.aux_hidden_state_layers \
                 or layer_idx == self.start_layer:
             return own(self, aux_hidden_states, layer_idx, hidden_states, residual)
-        aux_hidden_states.append(expect(consumer_weight(self, layer_idx), hidden_states))
+        aux_hidden_states.append(route.expect(consumer_weight(self, layer_idx), hidden_states))
         return aux_hidden_states
 
     return _maybe_add_hidden_state
 
 
-def checked_forward(own):
-    """``KimiLinearModel.forward``, then: every capture's consumer ran."""
+def checked_forward(route: EagerRoute, own):
+    """``KimiLinearModel.forward``, then: every capture this thread made was consumed
+    (traced by Dynamo, vLLM's own: the captures there are vLLM's)."""
 
     def forward(self, *args, **kwargs):
-        _expected.clear()  # a forward that raised may have left some
+        if torch.compiler.is_compiling():
+            return own(self, *args, **kwargs)
+        route.begin_forward()
         out = own(self, *args, **kwargs)
-        if _expected:
-            left = len(_expected)
-            _expected.clear()
-            raise RuntimeError(
-                f"kimi_passes: {left} aux capture(s) of vLLM's K3 forward found no consumer "
-                "call (the next layer's AttnRes or the output aggregation): this vLLM is not "
-                f"the one the route was written for (vLLM 0.33.0); unset ${ENV_VAR}")
+        route.end_forward()
         return out
 
     return forward
 
 
-def checked_set_layers(own):
+def checked_set_layers(route: EagerRoute, own):
     """``_set_aux_hidden_state_layers``, then the ids checked (``check_capture_ids``)."""
 
     def _set_aux_hidden_state_layers(self, layers):
         own(self, layers)
-        check_capture_ids(self)
+        check_capture_ids(route, self)
 
     return _set_aux_hidden_state_layers

@@ -1,19 +1,19 @@
 """vLLM's own Kimi K3 forward through ``kimi::attn_res``: the ``vllm.general_plugins`` route.
 
-vLLM 0.33.0 serves K3 with a module-level function ``attn_res``, imported by name into
+vLLM (0.33.0, 0.34.0) serves K3 with a module-level function ``attn_res``, imported by name into
 ``vllm/models/kimi_k3/nvidia/model.py`` (and ``nvidia/ops.py``) and, with a
 ``quant_dtype=`` keyword, the ROCm path's ``amd/linear.py``. Its arguments and semantics
 are ``kimi::attn_res``'s (``AttnResArgs``): the kimi passes see only kimi ops, so the K3
 forward must call the op for the aux captures to be found.
 
 Invariant: ``register`` (the entry point ``kimi_passes``, which vLLM calls in every
-process) acts **only when ``$KIMI_PASSES_AUX_STREAM`` is set** (a bad value raises); unset,
-it imports nothing and changes nothing. Set, it rebinds those names to ``vllm_attn_res`` /
-``vllm_attn_res_amd`` and wraps four methods of each imported ``KimiLinearModel``
-(``_install``): the capture method and ``forward`` (``k3_eager``: the eager route),
-``_set_aux_hidden_state_layers`` (a stage-crossing capture id refused) and ``__init__``
-(``k3_plan``: served or refused at startup). vLLM's files are never edited;
-``unroute_attn_res`` puts everything back.
+process) checks the two variables (a bad value raises), builds the process's ``EagerRoute``
+and arms an import hook (``k3_hook``); nothing else. Only when vLLM imports its K3 model
+module is ``KimiLinearModel.__init__`` wrapped (``checked_init``): it resolves the stream
+(``k3_stream``: our variable, vLLM's flag, the drafter) and, when a source asks, rebinds
+``attn_res`` and wraps the capture method, ``forward`` and ``_set_aux_hidden_state_layers``
+(``k3_eager``); then ``k3_plan`` serves or refuses. vLLM's files are never edited;
+``unroute_attn_res`` puts every name back.
 
 Traced by Dynamo, every call is a kimi op (the pass needs them). Eager, only a capture's
 consumer is (``kimi::attn_res_capture``, the same arithmetic as vLLM's kernel, not bit for
@@ -27,7 +27,6 @@ platforms, else 448) and passes it as ``quant_max``. Left unrouted, vLLM's own
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import logging
 import os
@@ -38,9 +37,9 @@ from typing import Any
 import torch
 
 import kimi_passes.ops  # noqa: F401  (registers torch.ops.kimi)
-from kimi_passes.config.stream import ENV_VAR, resolve_aux_stream
 from kimi_passes.ops.attn_res_args import AttnResArgs, record_signature
-from kimi_passes.vllm import k3_eager, k3_plan, k3_surface, versions
+from kimi_passes.vllm import k3_eager, k3_hook, k3_plan, k3_stream, k3_surface, versions
+from kimi_passes.vllm.k3_eager import TURN_OFF, EagerRoute
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +57,9 @@ def vllm_attn_res(*args, **kwargs):
     buffer (``k3_eager``); every other call is vLLM's own ``attn_res``.
     """
     if not torch.compiler.is_compiling():
-        aux = k3_eager.claim(args, kwargs)
+        aux = _active().claim(args, kwargs)
         if aux is None:
-            return _own["nvidia"](*args, **kwargs)
+            return _active().own["nvidia"](*args, **kwargs)
         out, mixed = torch.ops.kimi.attn_res_capture(*AttnResArgs(*args, **kwargs))
         aux.set_(mixed)
         return out
@@ -78,9 +77,9 @@ def vllm_attn_res_amd(*args, quant_dtype=None, **kwargs):
     """
     aux = None
     if not torch.compiler.is_compiling():
-        aux = k3_eager.claim(args, kwargs)
+        aux = _active().claim(args, kwargs)
         if aux is None:
-            return _own["amd"](*args, quant_dtype=quant_dtype, **kwargs)
+            return _active().own["amd"](*args, quant_dtype=quant_dtype, **kwargs)
     a = AttnResArgs(*args, **kwargs)
     if quant_dtype is None:
         if aux is None:
@@ -121,111 +120,160 @@ def _platform_quant_max(quant_dtype: torch.dtype) -> float:
 #: The functions the route installs, by module.
 ROUTES = {**dict.fromkeys(NVIDIA_MODULES, vllm_attn_res),
           **dict.fromkeys(AMD_MODULES, vllm_attn_res_amd)}
-#: vLLM's own functions, by module, while routed (``unroute_attn_res`` puts them back).
-_originals: dict[str, object] = {}
-#: vLLM's own ``attn_res`` by vendor, which non-consumer calls run in eager.
-_own: dict[str, Any] = {}
 #: The K3 model class of each vendor's model module.
 MODEL_CLASSES = {"vllm.models.kimi_k3.nvidia.model": "nvidia",
                  "vllm.models.kimi_k3.amd.linear": "amd"}
-#: The class attributes the route replaced: ``(class, name) -> own value or None``.
-_class_originals: dict[tuple[type, str], Any] = {}
+#: The process's route (``register`` or ``serve_eager`` builds it; ``unroute_attn_res``
+#: drops it): the one object holding every piece of the route's state.
+_route: EagerRoute | None = None
 
 
-def _methods(vendor: str, stream: str) -> dict[str, Callable[[Any], Any]]:
-    """The K3 model methods the route wraps, each ``name -> (vLLM's own -> ours)``."""
+def current() -> EagerRoute | None:
+    """The process's ``EagerRoute`` (each K3 model it serves holds it too)."""
+    return _route
+
+
+def _active() -> EagerRoute:
+    if _route is None:
+        raise RuntimeError(
+            "kimi_passes: vLLM's K3 attn_res was called through the route after "
+            "unroute_attn_res(); call register() (vLLM's plugin loader does) first")
+    return _route
+
+
+def _methods(route: EagerRoute, vendor: str) -> dict[str, Callable[[Any], Any]]:
+    """The K3 model methods the route wraps once a stream is asked, ``name -> (vLLM's own
+    -> ours)``."""
     capture = ("_capture_aux_hidden_stream", k3_eager.nvidia_capture) if vendor == "nvidia" \
         else ("_maybe_add_hidden_state", k3_eager.amd_capture)
-    return {capture[0]: capture[1], "forward": k3_eager.checked_forward,
-            "_set_aux_hidden_state_layers": k3_eager.checked_set_layers,
-            "__init__": lambda own: k3_plan.checked_init(own, stream)}
+    return {capture[0]: functools.partial(capture[1], route),
+            "forward": functools.partial(k3_eager.checked_forward, route),
+            "_set_aux_hidden_state_layers": functools.partial(k3_eager.checked_set_layers,
+                                                              route)}
 
 
-def _install(stream: str) -> None:
-    """Wrap the imported K3 model classes' methods (``_methods``); ``_own`` from the
-    routed modules."""
-    k3_eager._stream[0] = stream
-    for name, vendor in MODEL_CLASSES.items():
-        module = sys.modules.get(name)
-        if module is None:
-            continue
-        cls = module.KimiLinearModel
-        for attr, wrap in _methods(vendor, stream).items():
-            if (cls, attr) in _class_originals:
-                continue
-            _class_originals[cls, attr] = cls.__dict__.get(attr)
-            setattr(cls, attr, functools.wraps(getattr(cls, attr))(wrap(getattr(cls, attr))))
+def _wrap(route: EagerRoute, cls: type, attr: str, wrap) -> None:
+    if (cls, attr) in route.class_originals:
+        return
+    route.class_originals[cls, attr] = cls.__dict__.get(attr)
+    setattr(cls, attr, functools.wraps(getattr(cls, attr))(wrap(getattr(cls, attr))))
 
 
 def route_attn_res() -> list[str]:
-    """Rebind ``attn_res`` in every imported vLLM K3 module; returns the modules routed.
-
-    A module imported later is not routed: ``register`` imports the platform's K3
-    package first.
-    """
+    """Rebind ``attn_res`` in every imported vLLM K3 module, and wrap the imported K3
+    model classes' methods (``_methods``); returns the modules routed. Without a route
+    (no ``register``), one is built; its stream unresolved, eager calls stay vLLM's."""
+    global _route
+    if _route is None:
+        _route = EagerRoute()
+    route = _route
     routed = []
     for name, fn in ROUTES.items():
         module = sys.modules.get(name)
         if module is None:
             continue
-        current = getattr(module, "attn_res", None)
-        if current is None:
+        current_fn = getattr(module, "attn_res", None)
+        if current_fn is None:
             raise RuntimeError(
                 f"kimi_passes: {name} has no module-level attn_res: this vLLM's K3 is not "
-                "the one the route was written for (vLLM 0.33.0); unset "
-                f"${ENV_VAR} to serve it without kimi_passes")
-        if current is not fn:
-            _originals.setdefault(name, current)
+                f"the one the route was written for ({k3_eager.written_for()}); {TURN_OFF}")
+        if current_fn is not fn:
+            route.originals.setdefault(name, current_fn)
             vars(module)["attn_res"] = fn
         routed.append(name)
     for name, vendor in MODEL_CLASSES.items():
-        if name in _originals:
-            _own[vendor] = _originals[name]
+        if name in route.originals:
+            route.own[vendor] = route.originals[name]
+        if name in sys.modules:
+            for attr, wrap in _methods(route, vendor).items():
+                _wrap(route, sys.modules[name].KimiLinearModel, attr, wrap)
     return routed
 
 
+def activate(route: EagerRoute, vllm_config) -> k3_stream.StreamChoice:
+    """The stream for this process, resolved once (the first K3 model's init), an
+    untested vLLM named (``versions``); when a source asks for one, a changed K3 is
+    refused (``k3_surface``), else ``attn_res`` is routed and the model methods wrapped."""
+    if route.choice is None:
+        versions.warn_if_untested()
+        choice = k3_stream.resolve(os.environ, vllm_config)
+        if choice.asked:
+            k3_surface.check(ROUTES)  # a changed K3 is refused before anything is routed
+            routed = route_attn_res()
+            if not routed:
+                raise RuntimeError(
+                    f"kimi_passes: the aux stream is asked for ({choice.source}) but no vLLM "
+                    f"K3 module with attn_res was imported (looked for {list(ROUTES)})")
+            log.info("kimi_passes: vLLM's K3 attn_res routed in %s (%s)", routed,
+                     choice.source)
+        route.choice = choice
+    return route.choice
+
+
+def checked_init(route: EagerRoute, own):
+    """``KimiLinearModel.__init__``: the stream resolved (``activate``), vLLM's own init,
+    then ``k3_plan.startup`` with the config it was built from."""
+
+    def __init__(self, *args, **kwargs):
+        config = kwargs.get("vllm_config", args[0] if args else None)
+        if config is None:
+            from vllm.config import get_current_vllm_config
+
+            config = get_current_vllm_config()
+        choice = activate(route, config)
+        own(self, *args, **kwargs)
+        self._kimi_passes_route = route
+        k3_plan.startup(self, config, choice)
+
+    return __init__
+
+
+def _on_k3_import(module) -> None:
+    """A K3 model module was imported: its ``KimiLinearModel.__init__`` is wrapped."""
+    route = _route
+    if route is not None and module.__name__ in MODEL_CLASSES:
+        _wrap(route, module.KimiLinearModel, "__init__",
+              functools.partial(checked_init, route))
+
+
 def unroute_attn_res() -> None:
-    """Put vLLM's own ``attn_res`` back wherever ``route_attn_res`` replaced it."""
-    for name, fn in list(_originals.items()):
+    """Put back every name the route replaced; the hook and the route are dropped."""
+    global _route
+    route, _route = _route, None
+    if route is None:
+        return
+    k3_hook.disarm(route.hook)
+    for name, fn in route.originals.items():
         vars(sys.modules[name])["attn_res"] = fn
-        del _originals[name]
-    for (cls, attr), own in list(_class_originals.items()):
+    for (cls, attr), own in route.class_originals.items():
         if own is None:
             delattr(cls, attr)
         else:
             setattr(cls, attr, own)
-        del _class_originals[cls, attr]
-    _own.clear()
-    k3_eager._stream[0] = None
-
-
-def enabled() -> bool:
-    """Whether kimi_passes is enabled for vLLM in this process: ``$KIMI_PASSES_AUX_STREAM``."""
-    if not os.environ.get(ENV_VAR):
-        return False
-    resolve_aux_stream()  # a bad value is an error here, before vLLM builds anything
-    return True
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: route K3's ``attn_res`` when enabled, once
-    an untested vLLM is named (``versions``) and a changed K3 refused (``k3_surface``)."""
-    if not enabled():
-        return
-    versions.warn_if_untested()
-    # The package picks the platform's implementation (NVIDIA, or ROCm's amd.linear).
-    importlib.import_module("vllm.models.kimi_k3")
-    k3_surface.check(ROUTES)  # a changed K3 is refused before anything is routed
-    routed = route_attn_res()
-    _install(resolve_aux_stream())
-    if not routed:
-        raise RuntimeError(
-            f"kimi_passes: ${ENV_VAR} is set but no vLLM K3 module with attn_res was "
-            f"imported (looked for {list(ROUTES)}); unset ${ENV_VAR} on a platform "
-            "without vLLM's K3 (TPU)")
-    log.info("kimi_passes: vLLM's K3 attn_res runs as kimi::attn_res in %s (%s=%s)",
-             routed, ENV_VAR, os.environ[ENV_VAR])
+    """The ``vllm.general_plugins`` entry point: the variables checked, the route built,
+    the K3 import hook armed (see the module docstring); imports no vLLM module."""
+    global _route
+    k3_stream.from_environment(os.environ)  # a bad value raises, before vLLM builds anything
+    if _route is not None:
+        return  # vLLM loads general plugins once a process; a second call changes nothing
+    _route = EagerRoute()
+    _route.hook = k3_hook.arm(MODEL_CLASSES, _on_k3_import)
 
 
-__all__ = ["register", "route_attn_res", "unroute_attn_res", "vllm_attn_res",
-           "vllm_attn_res_amd"]
+def serve_eager(own: Callable[..., Any], vendor: str = "nvidia") -> EagerRoute:
+    """The route serving the attn_res stream with ``own`` as vLLM's ``attn_res``, without
+    vLLM (tools/gpu/eager_route.py): ``vllm_attn_res`` then runs as vLLM's K3 would call
+    it, and ``current().expect`` makes captures. ``unroute_attn_res`` drops it."""
+    global _route
+    if _route is None:
+        _route = EagerRoute()
+    _route.own[vendor] = own
+    _route.choice = k3_stream.StreamChoice.given("attn_res")
+    return _route
+
+
+__all__ = ["EagerRoute", "current", "register", "route_attn_res", "serve_eager",
+           "unroute_attn_res", "vllm_attn_res", "vllm_attn_res_amd"]

@@ -1,4 +1,4 @@
-"""What the K3 route depends on in vLLM's K3, checked at ``register`` before it routes.
+"""What the K3 route depends on in vLLM's K3, checked before it routes (``k3_route.activate``).
 
 Invariant: the route rebinds and wraps vLLM's K3 by name, so a vLLM whose K3 changed what
 the route relies on is refused at startup with a ``K3SurfaceError`` naming each change,
@@ -29,8 +29,8 @@ import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from kimi_passes.config.stream import ENV_VAR
 from kimi_passes.vllm import versions
+from kimi_passes.vllm.k3_eager import TURN_OFF
 
 #: The K3 model module of each vendor, and the method vLLM's forward captures through.
 MODEL_MODULES = {"nvidia": "vllm.models.kimi_k3.nvidia.model",
@@ -164,8 +164,8 @@ def package_root() -> Path:
     """The installed vLLM's K3 package folder."""
     spec = importlib.util.find_spec("vllm.models.kimi_k3")
     if spec is None or spec.origin is None:
-        raise K3SurfaceError(f"kimi_passes: ${ENV_VAR} is set but this vLLM has no "
-                             "vllm.models.kimi_k3 package: unset it")
+        raise K3SurfaceError("kimi_passes: the attn_res stream is asked for but this vLLM "
+                             f"has no vllm.models.kimi_k3 package: {TURN_OFF}")
     return Path(spec.origin).parent
 
 
@@ -187,5 +187,4 @@ def check(routes: Mapping[str, Callable], root: Path | None = None) -> None:
             f"kimi_passes: vLLM {versions.installed_version()}'s Kimi K3 is not the one the "
             f"route was written for (vLLM {', '.join(versions.TESTED)}): "
             + "; ".join(changes) + ". Routed, it could hand the drafter a wrong aux state. "
-            f"Install a tested vLLM ({', '.join(versions.TESTED)}), or unset ${ENV_VAR} "
-            "to serve vLLM's own aux states")
+            f"Install a tested vLLM ({', '.join(versions.TESTED)}), or {TURN_OFF}")

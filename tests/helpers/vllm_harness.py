@@ -349,6 +349,24 @@ def speculative_config(method: str, hf_config, speculator_class: str | None = No
     return spec
 
 
+def start_k3_route(env: str | None, vllm_config=None):
+    """The plugin loaded as vLLM loads it (``load_vllm_plugins``), then the stream resolved
+    as a K3 model's init resolves it (``k3_route.activate``), with
+    ``$KIMI_PASSES_AUX_STREAM`` = ``env`` (None: unset), vLLM's flag as the environment
+    has it and ``vllm_config``'s drafter. Returns the process's ``EagerRoute``; undo with
+    ``k3_route.unroute_attn_res()``."""
+    import kimi_passes.vllm.k3_route as route
+
+    load_vllm_plugins(env)
+    current = route.current()
+    assert current is not None, "vLLM did not load the kimi_passes plugin"
+    with mock.patch.dict(os.environ, {} if env is None else {ENV_VAR: env}):
+        if env is None:
+            os.environ.pop(ENV_VAR, None)
+        route.activate(current, vllm_config)
+    return current
+
+
 # ---------------------------------------------------------------- one serving process
 
 SERVE = "import sys; from helpers.vllm_harness import main; sys.exit(main())"

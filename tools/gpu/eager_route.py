@@ -7,13 +7,13 @@ K3's order) with vLLM's own ``attn_res`` (``kimi_passes.vllm.peer``: an installe
 
 - ``off``: vLLM's flag off (every call vLLM's; a tap is ``prefix + pending``);
 - ``on``: vLLM's flag on (a tap is a second, pure mixing call);
-- ``route``: the eager route (``k3_route.vllm_attn_res``; a tap is
-  ``k3_eager.expect(norm_weight, prefix)``, filled by its consumer's
+- ``route``: the eager route (``k3_route.serve_eager``, then ``k3_route.vllm_attn_res``; a
+  tap is the route's ``expect(norm_weight, prefix)``, filled by its consumer's
   ``kimi::attn_res_capture``; every other call vLLM's).
 
-Checked: each route capture against vLLM's flag-on capture at that point
-(``k3_eager.capture_call``, ``OP_TOL``); under ``torch.cuda.graph``, the captured route
-replayed 5 times with new inputs equal to the eager route. Timed (CUDA graphs, the
+Checked: each route capture against vLLM's flag-on capture at that point (the route's
+``watch`` hook, ``k3_eager.capture_call``, ``OP_TOL``); under ``torch.cuda.graph``, the
+captured route replayed 5 times with new inputs equal to the eager route. Timed (CUDA graphs, the
 bench's ``Timer``, CUDA events): route against off and on per T. Rows are MET / MISS
 lines (``tools.gpu.report.emit``) and ``--json``; exit 1 on a MISS, 3 when vLLM's kernel
 is not available.
@@ -38,22 +38,16 @@ from tools.gpu.report import emit, skip
 MODES = ("off", "on", "route")
 
 
-def serve_route(own) -> None:
-    """The route's state, set as vLLM's plugin sets it: vLLM's ``attn_res`` as the calls it
-    does not serve, the attn_res stream on (k3_route's and k3_eager's private state)."""
-    k3_route._own["nvidia"], k3_eager._stream[0] = own, "attn_res"
-
-
 class Model:
     """One ``K3Model`` whose mixing and taps follow ``mode`` (off, on, route)."""
 
-    def __init__(self, args: argparse.Namespace, own):
+    def __init__(self, args: argparse.Namespace, own, route: k3_route.EagerRoute):
         L, H = args.layers, args.hidden
         self.cfg = K3Config(num_layers=L, hidden_size=H, attn_res_block_size=args.block,
                             num_heads=max(1, H // 128), intermediate_size=max(128, H // 4),
                             aux_layer_ids=tuple(sorted({*range(0, L + 1, 2), 3})),
                             dtype=getattr(torch, args.dtype))
-        self.own, self.mode = own, "off"
+        self.own, self.route, self.mode = own, route, "off"
         with torch.device(args.device):  # the parameters drawn there
             self.k3 = K3Model(self.cfg, mixing=self.mix, tap=self.tap)
 
@@ -62,7 +56,7 @@ class Model:
 
     def tap(self, k, prefix, pending, bank, norm_weight, qk_weight, num_blocks, eps):
         if self.mode == "route":
-            return k3_eager.expect(norm_weight, prefix)
+            return self.route.expect(norm_weight, prefix)
         x = prefix if pending is None else prefix + pending
         if self.mode == "off":
             return x.clone()  # the layer's call updates prefix in place
@@ -81,25 +75,17 @@ def token_ids(model: Model, T: int, device, seed: int = 0) -> torch.Tensor:
 def capture_check(model: Model, ids, tol: float) -> float:
     """The route's captures against vLLM's flag-on capture of each consumer call."""
     refs: list[torch.Tensor] = []
-    claim = k3_eager.claim
 
     def spy(a, kw):  # vLLM's flag-on capture, computed from the consumer's own call
-        buf = claim(a, kw)
-        if buf is not None:
-            refs.append(model.own(*k3_eager.capture_call(a, kw)))
-        return buf
+        refs.append(model.own(*k3_eager.capture_call(a, kw)))
 
-    k3_eager.claim = spy
-    try:
+    with model.route.watch(spy):
         aux = model(ids.clone(), "route")
-    finally:
-        k3_eager.claim = claim
     return max(rel_err(a, r) for a, r in zip(aux, refs, strict=True))
 
 
 def rows_for(args, own, source) -> list[dict]:
-    serve_route(own)
-    model = Model(args, own)
+    model = Model(args, own, k3_route.serve_eager(own))
     rows, tol = [], OP_TOL[model.cfg.dtype]
     for T in args.T:
         ids = token_ids(model, T, args.device)
@@ -166,8 +152,11 @@ def main(argv=None) -> int:
         peer = load_peer("nvidia")
     except Exception as e:  # noqa: BLE001  (any loading failure is this step's skip)
         return skip(f"vLLM's K3 attn_res is not available: {e}", args.json)
-    with torch.inference_mode():
-        rows = rows_for(args, peer.attn_res, peer.source)
+    try:
+        with torch.inference_mode():
+            rows = rows_for(args, peer.attn_res, peer.source)
+    finally:
+        k3_route.unroute_attn_res()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

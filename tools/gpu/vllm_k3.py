@@ -102,10 +102,10 @@ def candidates(fw: Forwards, device: str) -> dict[str, tuple[Any, bool, str]]:
     import torch
 
     import kimi_passes
-    import kimi_passes.vllm.k3_route as route
+    from kimi_passes.config.stream import ENV_VAR
 
     torch._dynamo.reset()
-    os.environ[route.ENV_VAR] = "attn_res"
+    os.environ[ENV_VAR] = "attn_res"
     rows = {"vllm off": (fw.model(False), False, "vllm"),
             "vllm on": (fw.model(True), True, "vllm")}
     if device == "cuda":  # on CPU Dynamo cannot trace the interpreted launch

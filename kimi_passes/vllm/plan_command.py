@@ -1,0 +1,191 @@
+"""``python -m kimi_passes vllm-plan <vllm serve arguments>``: what vLLM will serve for K3.
+
+Invariant: the arguments go through vLLM's own ``EngineArgs.create_engine_config`` on
+this machine (a CPU one included: the checkpoint's and the drafter's ``config.json``, no
+weights, no tokenizer), then through what a K3 process runs at model init: the stream
+(``k3_stream.resolve``), the plan (``k3_plan.serving_plan``), the drafter's capture ids
+and the pipeline-stage check. The printout is that startup's; the exit status is 1 where
+startup would refuse, or where a source asks for a stream and no code of ours would run
+(``$VLLM_PLUGINS`` without ``kimi_passes``), 2 where vLLM rejects the arguments. What the
+plan cannot see is printed with it (README, "With vLLM").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from importlib import metadata
+
+from kimi_passes.config.drafter import drafter_capture_ids
+from kimi_passes.vllm import k3_plan, k3_stream, versions
+
+K3_ARCHITECTURES = ("KimiK3ForConditionalGeneration", "KimiLinearForCausalLM")
+PLUGIN = "kimi_passes"
+UNSEEN = ("the GPU: vLLM resolved this config for this machine's platform ({platform}); "
+          "NVIDIA and ROCm differ only where README's table says; the server's own "
+          "environment, if it is not this shell's; the other nodes of a prefill/decode "
+          "deployment (run the plan for each: every prefill node must serve the same "
+          "stream); kernels and weights")
+
+
+@dataclasses.dataclass
+class Plan:
+    """What the command found: ``rows`` (label, text), ``refusals``, the exit status."""
+
+    rows: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    refusals: list[str] = dataclasses.field(default_factory=list)
+
+    def add(self, label: str, text: str) -> None:
+        self.rows.append((label, text))
+
+    def text(self) -> str:
+        lines = [f"{label:<13}{text}" for label, text in self.rows]
+        lines += [f"{'refused':<13}{r}" for r in self.refusals] or [f"{'refused':<13}nothing"]
+        return "\n".join(lines)
+
+
+def serve_args(argv: list[str]) -> list[str]:
+    """``vllm serve``'s arguments as ``EngineArgs`` parses them: the positional model as
+    ``--model``, ``--skip-tokenizer-init`` added (the plan needs no tokenizer)."""
+    args = list(argv)
+    if args and not args[0].startswith("-"):
+        args = ["--model", args[0], *args[1:]]
+    if "--skip-tokenizer-init" not in args:
+        args.append("--skip-tokenizer-init")
+    return args
+
+
+def plugin_status(environ) -> tuple[bool, str]:
+    """Whether vLLM will load our ``vllm.general_plugins`` entry point, and why."""
+    found = [e for e in metadata.entry_points(group="vllm.general_plugins") if e.name == PLUGIN]
+    if not found:
+        return False, ("the entry point kimi_passes is not installed (pip install -e . or the "
+                       "wheel): vLLM loads no code of ours")
+    allowed = environ.get("VLLM_PLUGINS")
+    if allowed is not None and PLUGIN not in allowed.split(","):
+        return False, (f"$VLLM_PLUGINS={allowed!r} omits kimi_passes: vLLM loads no code of "
+                       "ours; add kimi_passes to it")
+    return True, "vLLM loads kimi_passes (entry point installed" + (
+        ", listed in $VLLM_PLUGINS)" if allowed is not None else ", $VLLM_PLUGINS unset)")
+
+
+def engine_config(argv: list[str]):
+    """vLLM's resolved ``VllmConfig`` for ``vllm serve argv``."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="kimi-passes vllm-plan"))
+    return EngineArgs.from_cli_args(parser.parse_args(serve_args(argv))).create_engine_config()
+
+
+def sequence_parallel(config) -> bool:
+    """K3's own rule (``KimiDecoderLayer.use_sequence_parallel``, vLLM 0.33.0 and 0.34.0)."""
+    p = config.parallel_config
+    mega = getattr(config.kernel_config, "moe_backend", None) == "deep_gemm_mega_moe"
+    return (p.pipeline_parallel_size == 1 and p.enable_expert_parallel
+            and p.tensor_parallel_size > 1 and (mega or p.data_parallel_size > 1))
+
+
+def drafter_rows(plan: Plan, config, choice, num_layers) -> None:
+    """The drafter's method and capture ids; a capture id ending a non-final stage."""
+    spec = config.speculative_config
+    if spec is None:
+        plan.add("drafter", "none (no --speculative-config)")
+        return
+    if not versions.drafter_reads_aux(spec):
+        plan.add("drafter", f"{spec.method}: reads no aux states")
+        return
+    taps = drafter_capture_ids(spec.draft_model_config.hf_config, num_layers,
+                               source=str(spec.draft_model_config.model))
+    if taps is None:
+        plan.add("drafter", f"{spec.method}: declares no capture ids (vLLM's default ids)")
+        return
+    plan.add("drafter", f"{spec.method}: capture ids {list(taps.capture_ids)} "
+                        f"({taps.describe()})")
+    stages = config.parallel_config.pipeline_parallel_size
+    if choice.stream == "attn_res" and stages > 1 and num_layers:
+        from vllm.distributed.utils import get_pp_indices
+
+        for rank in range(stages - 1):
+            start, end = get_pp_indices(num_layers, rank, stages)
+            if end in taps.capture_ids:
+                plan.refusals.append(
+                    f"capture id {end} ends pipeline stage {rank} (layers [{start}, {end})): "
+                    "its consumer runs on the next stage; move the boundary "
+                    "(VLLM_PP_LAYER_PARTITION) or serve other capture ids")
+
+
+def k3_rows(plan: Plan, config, environ) -> None:
+    """The stream, the route and the drafter for a K3 ``config`` (resolved)."""
+    try:
+        choice = k3_stream.resolve(environ, config)
+    except k3_stream.VllmRouteError as e:
+        plan.refusals.append(str(e))
+        return
+    plan.add("stream", f"{choice.stream}, from {choice.source}")
+    try:
+        served = k3_plan.serving_plan(config, stream=choice,
+                                      sequence_parallel=sequence_parallel(config))
+    except k3_stream.VllmRouteError as e:
+        plan.refusals.append(str(e))
+        served = None
+    if served is not None:
+        plan.add("route", f"{served.route}: {served.why}")
+        plan.add("startup line", k3_plan.startup_line(served))
+    num_layers = getattr(config.model_config.hf_text_config, "num_hidden_layers", None)
+    drafter_rows(plan, config, choice, num_layers)
+    loads, why = plugin_status(environ)
+    plan.add("plugin", why)
+    if choice.asked and not loads:
+        plan.refusals.append(f"{choice.source} asks for the {choice.stream} stream, but {why}")
+
+
+def run(argv: list[str], environ=os.environ) -> tuple[Plan, int]:
+    """The plan for ``vllm serve argv`` and its exit status (see the module docstring).
+
+    With no GPU here and ``$VLLM_TARGET_DEVICE`` unset, vLLM's CPU platform resolves
+    (vLLM cannot infer a device otherwise); the "vLLM" row names the platform used.
+    """
+    import torch
+
+    if "VLLM_TARGET_DEVICE" not in os.environ and not torch.cuda.is_available():
+        os.environ["VLLM_TARGET_DEVICE"] = "cpu"  # before vLLM picks its platform
+    import vllm
+    from vllm.platforms import current_platform
+
+    plan = Plan()
+    k3_stream.from_environment(environ)  # a bad value: the ValueError, as vLLM would stop
+    try:
+        config = engine_config(argv)
+    except (Exception, SystemExit) as e:  # noqa: BLE001  (vLLM's own rejection, reported)
+        plan.add("vLLM", f"{vllm.__version__} rejects these arguments: {e}")
+        plan.refusals.append("by vLLM itself (above), before any code of ours runs")
+        return plan, 2
+    platform = type(current_platform).__name__
+    mode = config.compilation_config.mode
+    arch = list(config.model_config.architectures or ())
+    plan.add("vLLM", f"{vllm.__version__}, resolved on this machine ({platform})")
+    plan.add("model", f"{config.model_config.model} ({', '.join(arch)})")
+    plan.add("compilation", f"mode {getattr(mode, 'name', mode)}, backend "
+                            f"{config.compilation_config.backend or 'inductor'}")
+    if not set(arch) & set(K3_ARCHITECTURES):
+        plan.add("K3", "not a Kimi K3 model: the plugin builds nothing and wraps nothing")
+        return plan, 0
+    k3_rows(plan, config, environ)
+    plan.add("not seen", UNSEEN.format(platform=platform))
+    return plan, 1 if plan.refusals else 0
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: python -m kimi_passes vllm-plan <the arguments of your `vllm serve`>\n"
+              + (__doc__ or "").split("\n\n")[1])
+        return 0 if argv else 2
+    try:
+        plan, status = run(argv)
+    except ValueError as e:
+        print(f"kimi-passes vllm-plan: {e}", file=sys.stderr)
+        return 2
+    print(plan.text())
+    return status
