@@ -1,8 +1,9 @@
 """The stream a vLLM K3 process serves, from what the user and the drafter said.
 
 Through vLLM's own code: ``EngineArgs.create_engine_config`` for a K3 ``config.json``
-(graphs/configs/k3) and a drafter whose ``config.json`` declares each stream, for each
-method vLLM 0.33.0 accepts with K3 and feeds aux states (eagle3, dflash, dspark: on
+(graphs/configs/k3) on a CUDA platform stand-in (``target_platform``) and a drafter whose
+``config.json`` declares each stream, for each method vLLM 0.33.0 and 0.34.0 accept with
+K3 and feed aux states (eagle3; dflash, which serves DFlash2 drafters too; dspark, on
 vLLM's V2 model runner, which a GPU with Triton picks; extract_hidden_states); vLLM's
 plugin loader; ``KimiLinearModel.__init__`` as the plugin wraps it; the installed K3
 forward. Stand-ins: the body of vLLM's ``__init__`` (it builds GPU modules) builds
@@ -100,8 +101,8 @@ def engine(drafters):
             with environ(**{**CLEAN, "HF_HUB_OFFLINE": "1", "VLLM_USE_V2_MODEL_RUNNER": "1",
                             **env}):
                 try:
-                    built[key] = plan_command.engine_config(serve_args(method, declared, tmp,
-                                                                       *extra))
+                    built[key] = plan_command.engine_config(
+                        serve_args(method, declared, tmp, *extra), "cuda")
                 finally:
                     route.unroute_attn_res()  # vLLM may have loaded our plugin
         return built[key]
@@ -207,7 +208,7 @@ def test_vllm_k3_plugins_without_kimi_passes_run_nothing_of_ours(engine, capsys)
         load_vllm_plugins("attn_res")
         assert route.current() is None and nvidia.attn_res is own
         with mock.patch.object(plan_command, "engine_config",
-                               lambda argv: engine("dflash", "attn_res")):
+                               lambda argv, platform: engine("dflash", "attn_res")):
             assert plan_command.main([str(K3)]) == 1
     out = capsys.readouterr().out
     assert "$VLLM_PLUGINS='other' omits kimi_passes" in out and "refused" in out, out
@@ -220,3 +221,21 @@ def test_vllm_plan_refuses_what_startup_refuses(drafters, capsys):
         assert plan_command.main(serve_args("dflash", "attn_res", drafters)) == 1
     out = capsys.readouterr().out
     assert re.search(r"refused +kimi_passes: two sources ask for different aux streams", out)
+
+
+def test_vllm_plan_resolves_for_the_platform_named(drafters, capsys):
+    """No GPU here: ``vllm-plan`` resolves for the platform ``--platform`` names, as that
+    server's vLLM would: NVIDIA (the default) K3's breakable CUDA graphs force mode NONE;
+    ROCm has none and keeps vLLM's mode. A platform that is not one is refused (exit 2)."""
+    args = serve_args("dflash", "attn_res", drafters)
+    for platform, graphs in (([], "mode NONE (breakable CUDA graphs)"),
+                             (["--platform", "rocm"], "(no breakable CUDA graphs)")):
+        with environ(**CLEAN), mock.patch("torch.cuda.is_available", lambda: False):
+            assert plan_command.main([*platform, *args]) == 0
+            route.unroute_attn_res()  # vLLM may have loaded our plugin
+        out = capsys.readouterr().out
+        kind = "ROCM" if platform else "CUDA"
+        assert f"resolved for a {kind} platform stand-in (no GPU here)" in out, out
+        assert re.search(r"route +eager: .*" + re.escape(graphs), out), out
+    assert plan_command.main(["--platform", "tpu", *args]) == 2
+    assert "--platform 'tpu': pass one of cuda, rocm" in capsys.readouterr().err

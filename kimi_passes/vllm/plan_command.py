@@ -1,9 +1,10 @@
-"""``python -m kimi_passes vllm-plan <vllm serve arguments>``: what vLLM will serve for K3.
+"""``python -m kimi_passes vllm-plan [--platform cuda|rocm] <vllm serve arguments>``.
 
-Invariant: the arguments go through vLLM's own ``EngineArgs.create_engine_config`` on
-this machine (a CPU one included: the checkpoint's and the drafter's ``config.json``, no
-weights, no tokenizer), then through what a K3 process runs at model init: the stream
-(``k3_stream.resolve``), the plan (``k3_plan.serving_plan``), the drafter's capture ids
+Invariant: the arguments go through vLLM's own ``EngineArgs.create_engine_config``, for
+this machine's GPU or, without one, for ``--platform`` (default ``cuda``: vLLM's platform
+as that machine, ``target_platform``), on any machine (a CPU one included: the
+checkpoint's and the drafter's ``config.json``, no weights, no tokenizer), then through
+what a K3 process runs at model init: the stream (``k3_stream.resolve``), the plan (``k3_plan.serving_plan``), the drafter's capture ids
 and the pipeline-stage check. The printout is that startup's; the exit status is 1 where
 startup would refuse, or where a source asks for a stream and no code of ours would run
 (``$VLLM_PLUGINS`` without ``kimi_passes``), 2 where vLLM rejects the arguments. What the
@@ -12,17 +13,22 @@ plan cannot see is printed with it (README, "With vLLM").
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib
 import os
 import sys
 from importlib import metadata
 
 from kimi_passes.config.drafter import drafter_capture_ids
-from kimi_passes.vllm import k3_plan, k3_stream, versions
+from kimi_passes.vllm import k3_plan, k3_stream, target_platform, versions
 
 K3_ARCHITECTURES = ("KimiK3ForConditionalGeneration", "KimiLinearForCausalLM")
+#: vLLM's K3 model modules (the package, then each vendor's).
+K3_MODULES = ("vllm.models.kimi_k3", "vllm.models.kimi_k3.nvidia.model",
+              "vllm.models.kimi_k3.amd.linear")
 PLUGIN = "kimi_passes"
-UNSEEN = ("the GPU: vLLM resolved this config for this machine's platform ({platform}); "
+UNSEEN = ("the GPU: vLLM resolved this config for {platform}; "
           "NVIDIA and ROCm differ only where README's table says; the server's own "
           "environment, if it is not this shell's; the other nodes of a prefill/decode "
           "deployment (run the plan for each: every prefill node must serve the same "
@@ -70,13 +76,39 @@ def plugin_status(environ) -> tuple[bool, str]:
         ", listed in $VLLM_PLUGINS)" if allowed is not None else ", $VLLM_PLUGINS unset)")
 
 
-def engine_config(argv: list[str]):
-    """vLLM's resolved ``VllmConfig`` for ``vllm serve argv``."""
+def engine_config(argv: list[str], platform: str | None):
+    """vLLM's resolved ``VllmConfig`` for ``vllm serve argv``, for ``platform`` (``cuda``,
+    ``rocm``: ``target_platform.stand_in``; None: this machine's)."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="kimi-passes vllm-plan"))
-    return EngineArgs.from_cli_args(parser.parse_args(serve_args(argv))).create_engine_config()
+    args = EngineArgs.from_cli_args(parser.parse_args(serve_args(argv)))
+    if platform:
+        # vLLM inspects the model class while it resolves; imported under the stand-in,
+        # K3's modules would reach for the absent GPU (CUDA's flash-attention extension,
+        # ROCm's architecture query): imported here, on this machine's platform.
+        for name in K3_MODULES:
+            importlib.import_module(name)
+    with target_platform.stand_in(platform) if platform else contextlib.nullcontext():
+        return args.create_engine_config()
+
+
+def split_platform(argv: list[str]) -> tuple[str | None, list[str]]:
+    """``--platform KIND`` (or ``--platform=KIND``) taken out of ``argv``: ours, not vLLM's."""
+    rest, kind, words = [], None, iter(argv)
+    for word in words:
+        if word == "--platform":
+            kind = next(words, None)
+            if kind is None:
+                raise ValueError("--platform needs a value: cuda or rocm")
+        elif word.startswith("--platform="):
+            kind = word.split("=", 1)[1]
+        else:
+            rest.append(word)
+    if kind is not None and kind not in target_platform.KINDS:
+        raise ValueError(f"--platform {kind!r}: pass one of {', '.join(target_platform.KINDS)}")
+    return kind, rest
 
 
 def sequence_parallel(config) -> bool:
@@ -144,28 +176,34 @@ def k3_rows(plan: Plan, config, environ) -> None:
 def run(argv: list[str], environ=os.environ) -> tuple[Plan, int]:
     """The plan for ``vllm serve argv`` and its exit status (see the module docstring).
 
-    With no GPU here and ``$VLLM_TARGET_DEVICE`` unset, vLLM's CPU platform resolves
-    (vLLM cannot infer a device otherwise); the "vLLM" row names the platform used.
+    With no GPU here, vLLM's CPU platform is the one vLLM picks (``$VLLM_TARGET_DEVICE``
+    unset) and the resolution is for ``--platform``'s stand-in (default ``cuda``); the
+    "vLLM" row names the platform resolved for.
     """
     import torch
 
-    if "VLLM_TARGET_DEVICE" not in os.environ and not torch.cuda.is_available():
-        os.environ["VLLM_TARGET_DEVICE"] = "cpu"  # before vLLM picks its platform
+    kind, argv = split_platform(argv)
+    here = torch.cuda.is_available()
+    if not here:
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # before vLLM picks its platform
+        kind = kind or "cuda"
     import vllm
     from vllm.platforms import current_platform
 
     plan = Plan()
     k3_stream.from_environment(environ)  # a bad value: the ValueError, as vLLM would stop
     try:
-        config = engine_config(argv)
+        config = engine_config(argv, kind)
     except (Exception, SystemExit) as e:  # noqa: BLE001  (vLLM's own rejection, reported)
         plan.add("vLLM", f"{vllm.__version__} rejects these arguments: {e}")
         plan.refusals.append("by vLLM itself (above), before any code of ours runs")
         return plan, 2
-    platform = type(current_platform).__name__
+    why = "--platform" if here else "no GPU here"
+    platform = (f"a {kind.upper()} platform stand-in ({why})" if kind
+                else f"this machine ({type(current_platform).__name__})")
     mode = config.compilation_config.mode
     arch = list(config.model_config.architectures or ())
-    plan.add("vLLM", f"{vllm.__version__}, resolved on this machine ({platform})")
+    plan.add("vLLM", f"{vllm.__version__}, resolved for {platform}")
     plan.add("model", f"{config.model_config.model} ({', '.join(arch)})")
     plan.add("compilation", f"mode {getattr(mode, 'name', mode)}, backend "
                             f"{config.compilation_config.backend or 'inductor'}")
@@ -179,7 +217,8 @@ def run(argv: list[str], environ=os.environ) -> tuple[Plan, int]:
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m kimi_passes vllm-plan <the arguments of your `vllm serve`>\n"
+        print("usage: python -m kimi_passes vllm-plan [--platform cuda|rocm] "
+              "<the arguments of your `vllm serve`>\n"
               + (__doc__ or "").split("\n\n")[1])
         return 0 if argv else 2
     try:

@@ -31,7 +31,6 @@ import os
 # (``main``) whose environment does not say (tests/conftest.py sets it under pytest).
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-import contextlib  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
@@ -47,6 +46,7 @@ import kimi_passes  # noqa: E402,F401
 from helpers.k3 import token_ids  # noqa: E402
 from kimi_passes.config.stream import ENV_VAR  # noqa: E402
 from kimi_passes.graphs.k3 import K3Config, K3Model  # noqa: E402
+from kimi_passes.vllm import target_platform  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -262,28 +262,9 @@ K31 = "KimiK31ForConditionalGeneration"
 BREAKABLE = "VLLM_USE_BREAKABLE_CUDAGRAPH"
 
 
-@contextlib.contextmanager
-def gpu_platform(kind: str):
-    """Stand-in for vLLM's platform where its config resolution reads it: vLLM's own
-    ``Platform`` interface as a ``kind`` (``"cuda"`` or ``"rocm"``) machine whose device
-    is never asked, patched as ``vllm.platforms.current_platform`` (what vLLM 0.33.0's
-    breakable-architecture list reads) and ``vllm.config.vllm.current_platform`` (what
-    ``VllmConfig`` and 0.34.0's list read), as vLLM's CPU-less tests mock it. The list's
-    cache is cleared on entry and exit."""
-    import vllm.platforms
-    from vllm.config import vllm as config_vllm
-    from vllm.platforms.interface import Platform, PlatformEnum
-
-    enum = {"cuda": PlatformEnum.CUDA, "rocm": PlatformEnum.ROCM}[kind]
-    stand_in = type(f"StandIn{kind.upper()}Platform", (Platform,),
-                    {"_enum": enum, "device_name": kind, "device_type": "cuda"})()
-    config_vllm.default_breakable_cudagraph_architectures.cache_clear()
-    try:
-        with mock.patch.object(vllm.platforms, "current_platform", stand_in), \
-                mock.patch.object(config_vllm, "current_platform", stand_in):
-            yield stand_in
-    finally:
-        config_vllm.default_breakable_cudagraph_architectures.cache_clear()
+#: vLLM's platform as a CUDA or ROCm machine where its config resolution reads it (the
+#: package's, which ``vllm-plan`` uses too).
+gpu_platform = target_platform.stand_in
 
 
 def new_vllm_config(**fields):
