@@ -5,7 +5,7 @@ in the input dtype, run eagerly (``eager``) and compiled by Inductor (``compiled
 shapes, one compile per cell), and a memory copy of the same bytes (``copy``: ``src`` and
 ``dst`` ``bytes/2`` each). On CUDA also the Triton kernel called directly (``triton``: what
 the op dispatches to; ``triton-row``: forced to the row kernel, beside the decode path the
-op takes at small T), ``vllm-k3``: the Triton kernel vLLM 0.33.0 serves K3's AttnRes with
+op takes at small T), ``vllm-k3``: the Triton kernel vLLM serves K3's AttnRes with
 (``kimi_passes.vllm.peer.load_peer``: an installed vLLM or a prepared copy; every variant, the op's
 arguments and in-place effects), and, when importable, the PyPI peers ``flash-attn-res``
 and ``fast-attnres`` on the shapes their kernels accept. Every candidate is checked against

@@ -24,7 +24,7 @@ import torch
 from kimi_passes.errors import AuxCaptureError
 from kimi_passes.taps import messages as msg
 
-#: Where vLLM 0.33.0 defines its K3 ``attn_res`` kernel (source files, module names).
+#: Where vLLM (0.33.0, 0.34.0) defines its K3 ``attn_res`` kernel (source files, module names).
 KERNEL_FILES = ("vllm/models/kimi_k3/nvidia/ops/attn_res.py",
                 "vllm/models/kimi_k3/amd/ops/attn_res.py")
 KERNEL_MODULES = tuple(f[:-3].replace("/", ".") for f in KERNEL_FILES)

@@ -109,7 +109,7 @@ def _installed(vendor: str, path: Path) -> Peer:
     version = _vllm_version()
     if not path.is_file():
         raise PeerError(f"the installed vLLM {version} has no {path}: kimi_passes reads vLLM "
-                        f"0.33.0's K3 kernel ({INSTALL} installs it)")
+                        f"0.33.0's or 0.34.0's K3 kernel (the same file; {INSTALL} installs it)")
     if _triton_compiles_for_a_gpu():
         module = importlib.import_module(f"vllm.models.kimi_k3.{vendor}.ops.attn_res")
         from vllm.triton_utils import HAS_TRITON
@@ -274,7 +274,7 @@ def prepare(dest: Path) -> dict:
         src = root / name
         if not src.is_file():
             raise PeerError(f"prepare: the installed vLLM {_vllm_version()} has no {src}; "
-                            f"kimi_passes reads vLLM 0.33.0's ({INSTALL})")
+                            f"kimi_passes reads vLLM 0.33.0's or 0.34.0's ({INSTALL})")
         data = src.read_bytes()
         (dest / name).parent.mkdir(parents=True, exist_ok=True)
         (dest / name).write_bytes(data)
@@ -305,7 +305,8 @@ def verify(dest: Path) -> list[str]:
             err = tiny_call_error(peer)
             if not err <= VERIFY_TOL:
                 raise PeerError(f"verify: {vendor}: {peer.source} is off the reference by "
-                                f"{err:.3g} > {VERIFY_TOL} (fp32); is vLLM 0.33.0 installed?")
+                                f"{err:.3g} > {VERIFY_TOL} (fp32); is vLLM 0.33.0 or 0.34.0 "
+                                "installed?")
             lines.append(f"{vendor}: {peer.source}: error {err:.2e} <= {VERIFY_TOL}")
     return lines
 

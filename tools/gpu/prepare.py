@@ -48,9 +48,9 @@ def peer_copy(dest: Path) -> None:
     """vLLM's kernel files, copied from the installed vLLM, then loaded from the copy."""
     py = sys.executable
     _run([py, "-m", "kimi_passes.vllm.peer", "prepare", str(dest)],
-         "bash tools/install_vllm.sh installs vLLM 0.33.0")
+         "bash tools/install_vllm.sh installs vLLM (0.34.0; 0.33.0 by its argument)")
     _run([py, "-m", "kimi_passes.vllm.peer", "verify", str(dest)],
-         "reinstall vLLM 0.33.0 (bash tools/install_vllm.sh) and prepare again",
+         "reinstall vLLM (bash tools/install_vllm.sh) and prepare again",
          TRITON_INTERPRET="1")
 
 

@@ -62,7 +62,7 @@ def _vllm_amd_kernel():
 
 
 def build_vllm_amd(dtype: str, H: int, tokens: int, arch: str = HIP_ARCH, nb: int = SLOTS):
-    """vLLM 0.33.0's AMD K3 kernel (``vllm/models/kimi_k3/amd/ops/attn_res.py``), the peer,
+    """vLLM's AMD K3 kernel (``vllm/models/kimi_k3/amd/ops/attn_res.py``), the peer,
     built for ``arch`` as its ``attn_res`` launches it for a call of ``tokens`` rows with a
     delta, a block write and the output norm over ``nb`` blocks (hidden size, strides and
     counts are constexprs there): 4 sources a tile and 8 warps below 256 tokens, else 1 and 4.
