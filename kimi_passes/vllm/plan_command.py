@@ -5,10 +5,11 @@ this machine's GPU or, without one, for ``--platform`` (default ``cuda``: vLLM's
 as that machine, ``target_platform``), on any machine (a CPU one included: the
 checkpoint's and the drafter's ``config.json``, no weights, no tokenizer), then through
 what a K3 process runs at model init: the stream (``k3_stream.resolve``), the plan
-(``k3_plan.serving_plan``), the drafter's capture ids and the pipeline-stage check. The printout is that startup's; the exit status is 1 where
-startup would refuse, or where a source asks for a stream and no code of ours would run
-(``$VLLM_PLUGINS`` without ``kimi_passes``), 2 where vLLM rejects the arguments. What the
-plan cannot see is printed with it (README, "With vLLM").
+(``k3_plan.serving_plan``), the drafter's capture ids and the pipeline-stage check. The
+printout is that startup's; the exit status is 1 where startup would refuse, or where a
+source asks for a stream and no code of ours would run (``$VLLM_PLUGINS`` without
+``kimi_passes``), 2 where vLLM rejects the arguments. What the plan cannot see is printed
+with it (README, "With vLLM").
 """
 
 from __future__ import annotations
