@@ -281,7 +281,8 @@ def test_fill_benchmarks_prints_the_cuda_tables():
 @pytest.mark.heavy
 def test_the_dry_run_runs_every_step_on_cpu(tmp_path):
     """``bash tools/gpu_check.sh --dry-run``: every step in order, on CPU, under 5 minutes,
-    at most 8 files; nothing fails (vllm_k3 skips where vLLM is not installed)."""
+    at most 8 files; nothing fails (vllm_k3 skips where vLLM is not installed). The quant
+    step is the suite's run of bench's quant section: its rows are checked here."""
     env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
     env.pop("GPU_CHECK_BUDGET", None)
     t0 = time.monotonic()
@@ -295,6 +296,10 @@ def test_the_dry_run_runs_every_step_on_cpu(tmp_path):
     assert not bad, r.stdout[-3000:]
     assert r.returncode in (0, 3) and doc["exit"] == r.returncode
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(gpu_steps.FILES)
+    # bench's quant section at tiny sizes (generated C++): a row per T, bytes equal, timed
+    quant = doc["steps"][3]["data"]["quant"]["rows"]
+    assert [r["T"] for r in quant] == [1, 64]
+    assert all(r["bytes_and_scales_equal"] and r["speedup"]["n"] >= 2 for r in quant), quant
     tests = doc["steps"][4]["test_counts"]  # the four shards, in one process here
     assert tests.get("skipped", 0) > 100 and set(tests) == {"skipped"}  # no CUDA here
     assert len(doc["steps"][4]["cmds"]) == 1
