@@ -1,11 +1,12 @@
 """tools/gpu (``python -m tools.gpu check``), the GPU check's runner, on CPU: its control
 flow with stand-in steps.
 
-Steps run in order; a failing step fails the run; a step past its cap is killed (its whole
-process group) and its rows are kept; a skip is exit 3 with its reason; the results are
-rewritten after every step; at most 8 files land in the output folder. Then the step list
-itself (the issue's order, every CUDA test marked for a shard of it, caps within the
-budget), the BENCHMARKS rows it fills, and one whole ``--dry-run`` (heavy).
+Steps run in order, a step's commands side by side; a failing step fails the run; a step
+past its cap is killed (its whole process group) and its rows are kept; a skip is exit 3
+with its reason; the results are rewritten after every step; at most 8 files land in the
+output folder. Then the step list itself (the issue's order, every CUDA test marked for a
+shard of it, caps within the budget), the BENCHMARKS rows it fills, and one whole
+``--dry-run`` (heavy).
 """
 
 from __future__ import annotations
@@ -116,6 +117,44 @@ def test_a_child_left_behind_does_not_hold_the_step(tmp_path):
     assert gone(int(pid_file.read_text()))
 
 
+#: A stand-in shard: waits for the other to start (so the two run at once), writes its
+#: JUnit file, prints its ``-v`` line. argv: junit, index, status, the flag file.
+SHARD = """import os, sys, time
+junit, n, status, flag = sys.argv[1:]
+if n == "0":
+    t = time.monotonic()
+    while not os.path.exists(flag) and time.monotonic() - t < 20:
+        time.sleep(0.05)
+    if not os.path.exists(flag):
+        sys.exit(5)  # the other command never started beside this one
+else:
+    open(flag, "w").close()
+open(junit, "w").write(f'<testsuite name="shard{n}" tests="1"><testcase '
+                       f'classname="tests/test_s{n}.py" name="test_{n}"/></testsuite>')
+print(f"tests/test_s{n}.py::test_{n} {status}")
+sys.exit(status != "PASSED")
+"""
+
+
+def test_a_steps_commands_run_side_by_side(tmp_path):
+    """A step of several commands (the GPU's pytest shards): they run at once, each line is
+    tagged with its command, each command's JUnit file is in junit.xml, one command
+    failing fails the step."""
+    flag = str(tmp_path / "second_started")
+    cmds = [["{py}", "-c", SHARD, "{junit}", str(n), status, flag]
+            for n, status in enumerate(("PASSED", "FAILED"))]
+    code, doc, _ = check(tmp_path, [dict(name="shards", cap_s=30, cmds=cmds)])
+    assert code == 1
+    assert statuses(doc) == [("shards", "failed")] and doc["steps"][0]["rcs"] == [0, 1]
+    assert sorted((t["test"], t["status"], t["shard"]) for t in doc["steps"][0]["tests"]) == [
+        ("tests/test_s0.py::test_0", "PASSED", 0), ("tests/test_s1.py::test_1", "FAILED", 1)]
+    log = (tmp_path / "out" / "gpu_check.log").read_text()
+    assert "[0] tests/test_s0.py::test_0 PASSED" in log
+    assert "[1] tests/test_s1.py::test_1 FAILED" in log
+    junit = (tmp_path / "out" / "junit.xml").read_text()
+    assert 'name="shard0"' in junit and 'name="shard1"' in junit
+
+
 def test_a_skip_is_exit_3_with_why(tmp_path):
     steps = [step("passes", "print('fine')"),
              step("skips", "import json; print(json.dumps({'skip': 'no vLLM here'})); "
@@ -204,6 +243,11 @@ def test_every_cuda_test_is_marked_for_a_shard_of_the_check():
             files = {n.split("::")[0] for n, s in found.items() if s == shard}
             assert ("-m", "gpu_check") == argv[argv.index("-m", 3):argv.index("-m", 3) + 2]
             assert files == {a for a in argv if a.endswith(".py")}, shard
+    # The dry run, where each test skips: the four shards in one process, the same files.
+    [dry] = by_step["cuda_tests"].dry or ()
+    assert dry[dry.index("--gpu-shard") + 1] == ",".join(gpu_steps.CUDA_SHARDS)
+    assert {a for a in dry if a.endswith(".py")} == {
+        a for argv in by_step["cuda_tests"].cmds for a in argv if a.endswith(".py")}
 
 
 def test_fill_benchmarks_prints_the_cuda_tables():
@@ -237,7 +281,8 @@ def test_fill_benchmarks_prints_the_cuda_tables():
 @pytest.mark.heavy
 def test_the_dry_run_runs_every_step_on_cpu(tmp_path):
     """``bash tools/gpu_check.sh --dry-run``: every step in order, on CPU, under 5 minutes,
-    at most 8 files; nothing fails (vllm_k3 skips where vLLM is not installed)."""
+    at most 8 files; nothing fails (vllm_k3 skips where vLLM is not installed). The quant
+    step is the suite's run of bench's quant section: its rows are checked here."""
     env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
     env.pop("GPU_CHECK_BUDGET", None)
     t0 = time.monotonic()
@@ -251,6 +296,11 @@ def test_the_dry_run_runs_every_step_on_cpu(tmp_path):
     assert not bad, r.stdout[-3000:]
     assert r.returncode in (0, 3) and doc["exit"] == r.returncode
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(gpu_steps.FILES)
-    tests = doc["steps"][4]["test_counts"]
+    # bench's quant section at tiny sizes (generated C++): a row per T, bytes equal, timed
+    quant = doc["steps"][3]["data"]["quant"]["rows"]
+    assert [r["T"] for r in quant] == [1, 64]
+    assert all(r["bytes_and_scales_equal"] and r["speedup"]["n"] >= 2 for r in quant), quant
+    tests = doc["steps"][4]["test_counts"]  # the four shards, in one process here
     assert tests.get("skipped", 0) > 100 and set(tests) == {"skipped"}  # no CUDA here
+    assert len(doc["steps"][4]["cmds"]) == 1
     assert doc["steps"][5]["test_counts"] == {"skipped": 1}  # the graphs shard alone

@@ -101,11 +101,15 @@ def test_every_readme_command_is_one_the_runner_knows():
 
 def test_the_commands_cover_the_main_jobs_features():
     """The README's main-job lines are its end-to-end tests: dropping the last line with a
-    feature drops that feature's test, so the check moves to test_main_job.py first."""
+    feature drops that feature's test, so the check moves to test_main_job.py first. The
+    same for ``bench --quick`` (bench's tap and pass sections)."""
     argvs = [parse(line)[1] for line in readme_commands()]
     flags = {a for argv in argvs if argv[:1] != ["bench"] for a in argv}
     want = {"--stages", "--stream", "--dump", "--show-graph", "--dtype"}
     assert want <= flags, f"no README main-job command passes {sorted(want - flags)}"
+    assert any(argv[:1] == ["bench"] and "--quick" in argv for argv in argvs), (
+        "no README `bench --quick`: its run is the suite's one of bench's tap and pass "
+        "sections (test_bench.py runs compile and op): move that check there first")
 
 
 def run(argv: list[str], env: dict[str, str], tmp_path: Path, monkeypatch) -> int:

@@ -1,6 +1,7 @@
 """The GPU check's shards (tools/gpu/steps.py): ``-m gpu_check --gpu-shard NAME`` keeps
-the tests marked ``@pytest.mark.gpu_check("NAME")``; a ``gpu_check`` mark without one
-shard name is a collection error naming the fix. Loaded by tests/conftest.py."""
+the tests marked ``@pytest.mark.gpu_check("NAME")`` (``NAME,NAME``: those of each; the dry
+run's one process); a ``gpu_check`` mark without one shard name is a collection error
+naming the fix. Loaded by tests/conftest.py."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import pytest
 
 
 def pytest_addoption(parser):
-    parser.addoption("--gpu-shard", default=None, metavar="NAME",
-                     help="keep only the tests marked gpu_check(NAME) (the GPU check's shard)")
+    parser.addoption("--gpu-shard", default=None, metavar="NAME[,NAME...]",
+                     help="keep only the tests marked gpu_check(NAME) (the GPU check's shard; "
+                          "several, comma-separated: those of each)")
 
 
 def shard_of(item) -> str | None:
@@ -28,8 +30,9 @@ def pytest_collection_modifyitems(config, items):
     want = config.getoption("--gpu-shard")
     if want is None:
         return
-    keep = [item for item in items if shard_of(item) == want]
-    drop = [item for item in items if shard_of(item) != want]
+    shards = set(want.split(","))
+    keep = [item for item in items if shard_of(item) in shards]
+    drop = [item for item in items if shard_of(item) not in shards]
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep

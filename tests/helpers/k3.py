@@ -71,7 +71,8 @@ def main_job_rows(out: str) -> dict[int, list[str]]:
 
 
 #: ``bench --quick``'s sections (op, tap, pass) at the smallest shapes, each section's own
-#: flags: README's ``bench --quick`` (test_readme_commands.py) and test_bench.py run them.
+#: flags: README's ``bench --quick`` runs them (test_readme_commands.py, the suite's one run
+#: of tap and pass); test_bench.py's compile-section test passes them too.
 TINY_BENCH = ["--T", "1", "--H", "64", "--blocks", "2", "--dtypes", "float32",
               "--variants", "read", "--no-compiled", "--no-peers", "--rounds", "2",
               "--block-ms", "1", "--threads", "1", "--tap-layers", "2", "--tap-hidden", "64",

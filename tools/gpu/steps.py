@@ -4,7 +4,8 @@ Another step is one more line. ``{py}`` is the check's Python, ``{json}`` the st
 scratch JSON (read back into results.json), ``{junit}`` a shard's JUnit file, ``{jobs}``
 the CPU count less two. The CUDA tests are those marked ``@pytest.mark.gpu_check(shard)``
 (pyproject.toml's marker, tests/helpers/gpu_marker.py's ``--gpu-shard``): each shard a process
-of its own, run side by side, over the test files that mark a test with that shard.
+of its own, run side by side, over the test files that mark a test with that shard (the dry
+run, where every one skips, collects the four in one process).
 ``select`` picks a run's steps (``--only``, ``--cap``, ``--steps-json``).
 """
 
@@ -67,11 +68,13 @@ def marked_files(shard: str, tests: Path = ROOT / "tests") -> tuple[str, ...]:
                  if mark.search(p.read_text(encoding="utf-8")))
 
 
-def pytest_shard(shard: str) -> Argv:
-    """One shard's CUDA tests, selected by the marker, every result on its line."""
+def pytest_shard(*shards: str) -> Argv:
+    """The CUDA tests of ``shards`` (one on the GPU) in one process, selected by the marker,
+    every result on its line."""
+    files = sorted({f for shard in shards for f in marked_files(shard)})
     return ("{py}", "-m", "pytest", "-v", "--tb=short", "-p", "no:cacheprovider",
-            "-p", "no:xdist", "--junitxml", "{junit}", "-m", MARKER, "--gpu-shard", shard,
-            *marked_files(shard))
+            "-p", "no:xdist", "--junitxml", "{junit}", "-m", MARKER, "--gpu-shard",
+            ",".join(shards), *files)
 
 
 K3_OP = ("--H", "7168", "--blocks", "8", "--dtypes", "bfloat16", "--no-plot", "--out", "{json}")
@@ -80,6 +83,8 @@ TINY_OP = ("--device", "cpu", "--H", "256", "--blocks", "2", "--dtypes", "bfloat
 SWEEP_T = ("1", "8", "64", "65", "128", "255", "256", "1024", "4096")
 OP_ROW = r"^(bfloat16|float16|float32)\s+(read|full)\s+\d+"  # a cell of the op bench, as it ends
 ON_CPU_THEY_SKIP = "the same marked tests, collected; without CUDA each test skips"
+#: On CPU every test skips: the shards share one process (each process costs a torch import).
+ONE_PROCESS = ON_CPU_THEY_SKIP + " (the four shards in one process)"
 
 STEPS: tuple[Step, ...] = (
     Step("info", 20, (tool("gpu", "info", "--json", "{json}"),),
@@ -98,12 +103,12 @@ STEPS: tuple[Step, ...] = (
                              "64", "1024", "--quant-H", "7168", "--quant-blocks", "8",
                              "--no-plot", "--out", "{json}"),),
          dry=(bench("--device", "cpu", "--only", "quant", "--quant-T", "1", "64", "--quant-H",
-                    "256", "--quant-blocks", "2", "--rounds", "1", "--block-ms", "1",
+                    "256", "--quant-blocks", "2", "--rounds", "2", "--block-ms", "1",
                     "--no-plot", "--out", "{json}"),),
-         dry_note="T=1, 64 at H=256 nb=2 on CPU (generated C++), one round",
+         dry_note="T=1, 64 at H=256 nb=2 on CPU (generated C++), two rounds",
          rows_re=r"^T=\s*\d+ H=\d+ nb=\d+"),
     Step("cuda_tests", 70, tuple(pytest_shard(s) for s in CUDA_SHARDS), needs=("pytest",),
-         dry_note=ON_CPU_THEY_SKIP),
+         dry=(pytest_shard(*CUDA_SHARDS),), dry_note=ONE_PROCESS),
     Step("cuda_graphs", 20, (pytest_shard(GRAPHS_SHARD),), needs=("pytest",),
          dry_note=ON_CPU_THEY_SKIP),
     Step("eager_route", 20, (tool("gpu.eager_route", "--T", "1,8,64", "--json", "{json}"),),
