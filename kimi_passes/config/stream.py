@@ -51,14 +51,15 @@ def load_draft_config(draft_config) -> dict:
     return data
 
 
-def draft_stream(draft_config) -> str | None:
-    """The stream a drafter checkpoint declares (``aux_hidden_stream``), if any."""
+def draft_stream(draft_config, source: str | None = None) -> str | None:
+    """The stream a drafter checkpoint declares (``aux_hidden_stream``), if any; a bad
+    value is an error naming ``source`` (default: "the drafter config's ...")."""
     if draft_config is None:
         return None
     config = load_draft_config(draft_config)
     if DRAFT_KEY not in config:
         return None
-    return check_stream(config[DRAFT_KEY], f"the drafter config's {DRAFT_KEY!r}")
+    return check_stream(config[DRAFT_KEY], source or f"the drafter config's {DRAFT_KEY!r}")
 
 
 def resolve_aux_stream(aux_stream: str | None = None, draft_config=None) -> str:

@@ -121,8 +121,7 @@ def _platform_quant_max(quant_dtype: torch.dtype) -> float:
 ROUTES = {**dict.fromkeys(NVIDIA_MODULES, vllm_attn_res),
           **dict.fromkeys(AMD_MODULES, vllm_attn_res_amd)}
 #: The K3 model class of each vendor's model module.
-MODEL_CLASSES = {"vllm.models.kimi_k3.nvidia.model": "nvidia",
-                 "vllm.models.kimi_k3.amd.linear": "amd"}
+MODEL_CLASSES = {name: vendor for vendor, name in k3_surface.MODEL_MODULES.items()}
 #: The process's route (``register`` or ``serve_eager`` builds it; ``unroute_attn_res``
 #: drops it): the one object holding every piece of the route's state.
 _route: EagerRoute | None = None
@@ -144,9 +143,8 @@ def _active() -> EagerRoute:
 def _methods(route: EagerRoute, vendor: str) -> dict[str, Callable[[Any], Any]]:
     """The K3 model methods the route wraps once a stream is asked, ``name -> (vLLM's own
     -> ours)``."""
-    capture = ("_capture_aux_hidden_stream", k3_eager.nvidia_capture) if vendor == "nvidia" \
-        else ("_maybe_add_hidden_state", k3_eager.amd_capture)
-    return {capture[0]: functools.partial(capture[1], route),
+    capture = k3_eager.nvidia_capture if vendor == "nvidia" else k3_eager.amd_capture
+    return {k3_surface.CAPTURE[vendor]: functools.partial(capture, route),
             "forward": functools.partial(k3_eager.checked_forward, route),
             "_set_aux_hidden_state_layers": functools.partial(k3_eager.checked_set_layers,
                                                               route)}

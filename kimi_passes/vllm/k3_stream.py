@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from kimi_passes.config.stream import DRAFT_KEY, ENV_VAR, check_stream
+from kimi_passes.config.stream import DRAFT_KEY, ENV_VAR, check_stream, draft_stream
 
 #: vLLM's own switch for its K3 aux stream (``vllm.envs``).
 VLLM_FLAG = "VLLM_KIMI_K3_AUX_ATTN_RES_STREAM"
@@ -108,11 +108,11 @@ def drafter(speculative_config) -> Ask | None:
     if not versions.drafter_reads_aux(speculative_config):
         return None
     config = hf_config.to_dict() if hasattr(hf_config, "to_dict") else vars(hf_config)
-    if config.get(DRAFT_KEY) is None and DRAFT_KEY not in config:
-        return None
     where = f"the {method} drafter's config ({getattr(draft, 'model', '?')}: {DRAFT_KEY})"
-    value = config[DRAFT_KEY]
-    return Ask(DRAFTER, check_stream(value, where), f"{where} = {value!r}",
+    stream = draft_stream(config, where)
+    if stream is None:
+        return None
+    return Ask(DRAFTER, stream, f"{where} = {stream!r}",
                f"serve a drafter trained on the stream you want ({where} names the one it "
                "was trained on)")
 

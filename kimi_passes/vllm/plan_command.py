@@ -22,12 +22,11 @@ import sys
 from importlib import metadata
 
 from kimi_passes.config.drafter import drafter_capture_ids
-from kimi_passes.vllm import k3_plan, k3_stream, target_platform, versions
+from kimi_passes.vllm import k3_plan, k3_stream, k3_surface, target_platform, versions
 
 K3_ARCHITECTURES = ("KimiK3ForConditionalGeneration", "KimiLinearForCausalLM")
 #: vLLM's K3 model modules (the package, then each vendor's).
-K3_MODULES = ("vllm.models.kimi_k3", "vllm.models.kimi_k3.nvidia.model",
-              "vllm.models.kimi_k3.amd.linear")
+K3_MODULES = ("vllm.models.kimi_k3", *k3_surface.MODEL_MODULES.values())
 PLUGIN = "kimi_passes"
 UNSEEN = ("the GPU: vLLM resolved this config for {platform}; "
           "NVIDIA and ROCm differ only where README's table says; the server's own "
