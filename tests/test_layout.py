@@ -316,7 +316,7 @@ PUBLIC = {
                           "bench_quant"],
     # Imports no vLLM module (the vllm.general_plugins entry point); EagerRoute, current
     # and serve_eager: the route's state and its public hook (tools/gpu/eager_route.py).
-    "kimi_passes.vllm.k3_route": ["EagerRoute", "current", "register", "route_attn_res",
+    "kimi_passes.vllm.k3.route": ["EagerRoute", "current", "register", "route_attn_res",
                                   "serve_eager", "unroute_attn_res", "vllm_attn_res",
                                   "vllm_attn_res_amd"],
 }
@@ -367,7 +367,7 @@ def test_the_entry_points_name_live_objects():
     vLLM's plugin ``kimi_passes`` (vllm.general_plugins)."""
     import kimi_passes.__main__
     import kimi_passes.backend
-    import kimi_passes.vllm.k3_route
+    import kimi_passes.vllm.k3.route
 
     eps = metadata.entry_points()
     (backend,) = [e for e in eps.select(group="torch_dynamo_backends") if e.name == "kimi"]
@@ -377,7 +377,7 @@ def test_the_entry_points_name_live_objects():
     plugins = [e for e in eps.select(group="vllm.general_plugins") if e.name == "kimi_passes"]
     assert plugins, ("the installed metadata has no vllm.general_plugins entry point "
                      "kimi_passes: reinstall (`pip install -e .`) after pyproject.toml changed")
-    assert plugins[0].load() is kimi_passes.vllm.k3_route.register
+    assert plugins[0].load() is kimi_passes.vllm.k3.route.register
 
 
 # --------------------------------------------------------------------------- the options

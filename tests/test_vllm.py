@@ -347,7 +347,7 @@ def test_callable_string_route_is_refused():
 def test_import_kimi_passes_does_not_import_vllm_and_adapter_names_the_install():
     code = ("import sys, kimi_passes; assert 'vllm' not in sys.modules, 'imported vllm'\n"
             "sys.modules['vllm'] = None\n"
-            "import kimi_passes.vllm.k3_route\n"  # the plugin module imports no vLLM
+            "import kimi_passes.vllm.k3.route\n"  # the plugin module imports no vLLM
             "try:\n    from kimi_passes.vllm import compile_config_entries\n"
             "except ImportError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -1,7 +1,7 @@
 """The attn_res stream in vLLM's eager K3: each capture read out of its consumer's call.
 
 vLLM (0.33.0, 0.34.0) runs K3 eagerly (breakable CUDA graphs force mode NONE). When the stream
-resolved at the model's init is attn_res (``k3_stream``), the plugin rebinds, class-level,
+resolved at the model's init is attn_res (``stream``), the plugin rebinds, class-level,
 the method vLLM's
 forward captures through (NVIDIA ``_capture_aux_hidden_stream``, ROCm
 ``_maybe_add_hidden_state``); capture ``k``'s consumer is the call mixing with layer ``k``'s
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from kimi_passes.ops.attn_res_args import AttnResArgs
-from kimi_passes.vllm.k3_stream import StreamChoice
+from kimi_passes.vllm.k3.stream import StreamChoice
 
 #: How the route's errors end: what turns it off.
 TURN_OFF = ("serve without the attn_res stream (unset $KIMI_PASSES_AUX_STREAM and "
@@ -53,7 +53,7 @@ class EagerRoute:
     """The eager route's state in one process: the stream, this thread's pending captures,
     vLLM's own ``attn_res`` by vendor, and every name the route replaced.
 
-    Built by ``k3_route.register`` (or ``k3_route.serve_eager``, without vLLM); each K3
+    Built by ``route.register`` (or ``route.serve_eager``, without vLLM); each K3
     model it serves holds it as ``_kimi_passes_route``. Pending captures are per thread
     (``threading.local``): a forward in one thread never sees, clears or fills another's.
     """
@@ -67,7 +67,7 @@ class EagerRoute:
         self.originals: dict[str, Any] = {}
         #: The class attributes the route replaced: ``(class, name) -> own value or None``.
         self.class_originals: dict[tuple[type, str], Any] = {}
-        #: The import hook ``register`` armed (``k3_hook``), if any.
+        #: The import hook ``register`` armed (``hook``), if any.
         self.hook: Any = None
         self._watchers: list[Callable[[tuple, dict], None]] = []
         self._local = threading.local()

@@ -8,11 +8,11 @@ forward must call the op for the aux captures to be found.
 
 Invariant: ``register`` (the entry point ``kimi_passes``, which vLLM calls in every
 process) checks the two variables (a bad value raises), builds the process's ``EagerRoute``
-and arms an import hook (``k3_hook``); nothing else. Only when vLLM imports its K3 model
+and arms an import hook (``hook``); nothing else. Only when vLLM imports its K3 model
 module is ``KimiLinearModel.__init__`` wrapped (``checked_init``): it resolves the stream
-(``k3_stream``: our variable, vLLM's flag, the drafter) and, when a source asks, rebinds
+(``stream``: our variable, vLLM's flag, the drafter) and, when a source asks, rebinds
 ``attn_res`` and wraps the capture method, ``forward`` and ``_set_aux_hidden_state_layers``
-(``k3_eager``); then ``k3_plan`` serves or refuses. vLLM's files are never edited;
+(``eager``); then ``plan`` serves or refuses. vLLM's files are never edited;
 ``unroute_attn_res`` puts every name back.
 
 Traced by Dynamo, every call is a kimi op (the pass needs them). Eager, only a capture's
@@ -38,8 +38,9 @@ import torch
 
 import kimi_passes.ops  # noqa: F401  (registers torch.ops.kimi)
 from kimi_passes.ops.attn_res_args import AttnResArgs, record_signature
-from kimi_passes.vllm import k3_eager, k3_hook, k3_plan, k3_stream, k3_surface, versions
-from kimi_passes.vllm.k3_eager import TURN_OFF, EagerRoute
+from kimi_passes.vllm import versions
+from kimi_passes.vllm.k3 import eager, hook, plan, stream, surface
+from kimi_passes.vllm.k3.eager import TURN_OFF, EagerRoute
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ def vllm_attn_res(*args, **kwargs):
 
     Traced by Dynamo: ``kimi::attn_res`` (the pass recognises the captures around it).
     Eager: a capture's consumer runs ``kimi::attn_res_capture`` and fills the capture's
-    buffer (``k3_eager``); every other call is vLLM's own ``attn_res``.
+    buffer (``eager``); every other call is vLLM's own ``attn_res``.
     """
     if not torch.compiler.is_compiling():
         aux = _active().claim(args, kwargs)
@@ -121,7 +122,7 @@ def _platform_quant_max(quant_dtype: torch.dtype) -> float:
 ROUTES = {**dict.fromkeys(NVIDIA_MODULES, vllm_attn_res),
           **dict.fromkeys(AMD_MODULES, vllm_attn_res_amd)}
 #: The K3 model class of each vendor's model module.
-MODEL_CLASSES = {name: vendor for vendor, name in k3_surface.MODEL_MODULES.items()}
+MODEL_CLASSES = {name: vendor for vendor, name in surface.MODEL_MODULES.items()}
 #: The process's route (``register`` or ``serve_eager`` builds it; ``unroute_attn_res``
 #: drops it): the one object holding every piece of the route's state.
 _route: EagerRoute | None = None
@@ -143,10 +144,10 @@ def _active() -> EagerRoute:
 def _methods(route: EagerRoute, vendor: str) -> dict[str, Callable[[Any], Any]]:
     """The K3 model methods the route wraps once a stream is asked, ``name -> (vLLM's own
     -> ours)``."""
-    capture = k3_eager.nvidia_capture if vendor == "nvidia" else k3_eager.amd_capture
-    return {k3_surface.CAPTURE[vendor]: functools.partial(capture, route),
-            "forward": functools.partial(k3_eager.checked_forward, route),
-            "_set_aux_hidden_state_layers": functools.partial(k3_eager.checked_set_layers,
+    capture = eager.nvidia_capture if vendor == "nvidia" else eager.amd_capture
+    return {surface.CAPTURE[vendor]: functools.partial(capture, route),
+            "forward": functools.partial(eager.checked_forward, route),
+            "_set_aux_hidden_state_layers": functools.partial(eager.checked_set_layers,
                                                               route)}
 
 
@@ -174,7 +175,7 @@ def route_attn_res() -> list[str]:
         if current_fn is None:
             raise RuntimeError(
                 f"kimi_passes: {name} has no module-level attn_res: this vLLM's K3 is not "
-                f"the one the route was written for ({k3_eager.written_for()}); {TURN_OFF}")
+                f"the one the route was written for ({eager.written_for()}); {TURN_OFF}")
         if current_fn is not fn:
             route.originals.setdefault(name, current_fn)
             vars(module)["attn_res"] = fn
@@ -188,15 +189,15 @@ def route_attn_res() -> list[str]:
     return routed
 
 
-def activate(route: EagerRoute, vllm_config) -> k3_stream.StreamChoice:
+def activate(route: EagerRoute, vllm_config) -> stream.StreamChoice:
     """The stream for this process, resolved once (the first K3 model's init), an
     untested vLLM named (``versions``); when a source asks for one, a changed K3 is
-    refused (``k3_surface``), else ``attn_res`` is routed and the model methods wrapped."""
+    refused (``surface``), else ``attn_res`` is routed and the model methods wrapped."""
     if route.choice is None:
         versions.warn_if_untested()
-        choice = k3_stream.resolve(os.environ, vllm_config)
+        choice = stream.resolve(os.environ, vllm_config)
         if choice.asked:
-            k3_surface.check(ROUTES)  # a changed K3 is refused before anything is routed
+            surface.check(ROUTES)  # a changed K3 is refused before anything is routed
             routed = route_attn_res()
             if not routed:
                 raise RuntimeError(
@@ -210,7 +211,7 @@ def activate(route: EagerRoute, vllm_config) -> k3_stream.StreamChoice:
 
 def checked_init(route: EagerRoute, own):
     """``KimiLinearModel.__init__``: the stream resolved (``activate``), vLLM's own init,
-    then ``k3_plan.startup`` with the config it was built from."""
+    then ``plan.startup`` with the config it was built from."""
 
     def __init__(self, *args, **kwargs):
         config = kwargs.get("vllm_config", args[0] if args else None)
@@ -221,7 +222,7 @@ def checked_init(route: EagerRoute, own):
         choice = activate(route, config)
         own(self, *args, **kwargs)
         self._kimi_passes_route = route
-        k3_plan.startup(self, config, choice)
+        plan.startup(self, config, choice)
 
     return __init__
 
@@ -240,7 +241,7 @@ def unroute_attn_res() -> None:
     route, _route = _route, None
     if route is None:
         return
-    k3_hook.disarm(route.hook)
+    hook.disarm(route.hook)
     for name, fn in route.originals.items():
         vars(sys.modules[name])["attn_res"] = fn
     for (cls, attr), own in route.class_originals.items():
@@ -254,11 +255,11 @@ def register() -> None:
     """The ``vllm.general_plugins`` entry point: the variables checked, the route built,
     the K3 import hook armed (see the module docstring); imports no vLLM module."""
     global _route
-    k3_stream.from_environment(os.environ)  # a bad value raises, before vLLM builds anything
+    stream.from_environment(os.environ)  # a bad value raises, before vLLM builds anything
     if _route is not None:
         return  # vLLM loads general plugins once a process; a second call changes nothing
     _route = EagerRoute()
-    _route.hook = k3_hook.arm(MODEL_CLASSES, _on_k3_import)
+    _route.hook = hook.arm(MODEL_CLASSES, _on_k3_import)
 
 
 def serve_eager(own: Callable[..., Any], vendor: str = "nvidia") -> EagerRoute:
@@ -269,7 +270,7 @@ def serve_eager(own: Callable[..., Any], vendor: str = "nvidia") -> EagerRoute:
     if _route is None:
         _route = EagerRoute()
     _route.own[vendor] = own
-    _route.choice = k3_stream.StreamChoice.given("attn_res")
+    _route.choice = stream.StreamChoice.given("attn_res")
     return _route
 
 
