@@ -339,6 +339,19 @@ def test_what_users_import_keeps_working(module):
         assert sorted(exported) == sorted(PUBLIC[module]), module
 
 
+def test_the_old_route_module_warns_and_is_the_new_one(monkeypatch):
+    """``kimi_passes.vllm.k3_route``, the route's name before ``k3.route``, kept for one
+    release: importing it warns naming the new module, and each name is the same object."""
+    import importlib
+
+    new = importlib.import_module("kimi_passes.vllm.k3.route")
+    monkeypatch.delitem(sys.modules, "kimi_passes.vllm.k3_route", raising=False)
+    with pytest.warns(DeprecationWarning, match=r"import kimi_passes\.vllm\.k3\.route"):
+        old = importlib.import_module("kimi_passes.vllm.k3_route")
+    assert sorted(old.__all__) == sorted(PUBLIC["kimi_passes.vllm.k3.route"])
+    assert all(getattr(old, n) is getattr(new, n) for n in old.__all__)
+
+
 def test_what_vllm_users_import_keeps_working():
     pytest.importorskip("vllm")
     import kimi_passes

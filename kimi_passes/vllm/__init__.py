@@ -15,6 +15,8 @@
   warning for an untested one.
 - ``peer``: ``load_peer``, vLLM's K3 kernel file as the benches', tests' and tools' peer
   (an installed vLLM's file or a prepared copy, run with stand-ins). Never imports vLLM.
+- ``k3_route``: the route's old module name, a deprecated alias of ``k3.route`` for one
+  release.
 
 Invariant: importing this package imports no vLLM module: the names of ``compile_pass``
 load on first use, so vLLM's plugin loader reaches ``k3.route`` without importing vLLM's
