@@ -1,27 +1,26 @@
 """vLLM's own Kimi K3 forward through ``kimi::attn_res``: the ``vllm.general_plugins`` route.
 
-vLLM (0.33.0, 0.34.0) serves K3 with a module-level function ``attn_res``, imported by name into
-``vllm/models/kimi_k3/nvidia/model.py`` (and ``nvidia/ops.py``) and, with a
-``quant_dtype=`` keyword, the ROCm path's ``amd/linear.py``. Its arguments and semantics
-are ``kimi::attn_res``'s (``AttnResArgs``): the kimi passes see only kimi ops, so the K3
-forward must call the op for the aux captures to be found.
+vLLM (0.33.0, 0.34.0) serves K3 with a module-level function ``attn_res``, imported by name
+into ``vllm/models/kimi_k3/nvidia/model.py`` (and ``nvidia/ops.py``) and, with a
+``quant_dtype=`` keyword, the ROCm path's ``amd/linear.py``. Its arguments and semantics are
+``kimi::attn_res``'s (``AttnResArgs``): the kimi passes see only kimi ops, so the K3 forward
+must call the op for the aux captures to be found.
 
-Invariant: ``register`` (the entry point ``kimi_passes``, which vLLM calls in every
-process) checks the two variables (a bad value raises), builds the process's ``EagerRoute``
-and arms an import hook (``hook``); nothing else. Only when vLLM imports its K3 model
-module is ``KimiLinearModel.__init__`` wrapped (``checked_init``): it resolves the stream
-(``stream``: our variable, vLLM's flag, the drafter) and, when a source asks, rebinds
-``attn_res`` and wraps the capture method, ``forward`` and ``_set_aux_hidden_state_layers``
-(``eager``); then ``plan`` serves or refuses. vLLM's files are never edited;
-``unroute_attn_res`` puts every name back.
+Invariant: a process holds at most one route, an ``EagerRoute``, built by ``_process_route``
+alone (for ``register``, ``route_attn_res`` and ``serve_eager``). ``register`` (the entry
+point ``kimi_passes``, which vLLM calls in every process) checks the two variables (a bad
+value raises), builds the route and arms an import hook (``hook``); nothing else. Only when
+vLLM imports its K3 model module is ``KimiLinearModel.__init__`` wrapped (``checked_init``):
+it resolves the stream (``stream``: our variable, vLLM's flag, the drafter) and, when a source
+asks, rebinds ``attn_res`` and wraps the capture method, ``forward`` and
+``_set_aux_hidden_state_layers`` (``eager``); then ``plan`` serves or refuses. vLLM's files
+are never edited; ``unroute_attn_res`` puts every name the route recorded back.
 
 Traced by Dynamo, every call is a kimi op (the pass needs them). Eager, only a capture's
 consumer is (``kimi::attn_res_capture``, the same arithmetic as vLLM's kernel, not bit for
-bit); every other call is vLLM's own ``attn_res``. The FP8 quant is vLLM's AMD kernel's,
-bound included: the route reads vLLM's ``get_fp8_min_max`` at each call (224 on fnuz
-platforms, else 448) and passes it as ``quant_max``. Left unrouted, vLLM's own
-``attn_res`` in a graph compiled under the attn_res stream is an ``AuxCaptureError``
-(``taps/unrouted.py``). docs/design.md section 11.
+bit); every other call is vLLM's own ``attn_res``; the ROCm quant keeps vLLM's FP8 bound
+(``vllm_attn_res_amd``). Left unrouted, vLLM's own ``attn_res`` in a graph compiled under the
+attn_res stream is an ``AuxCaptureError`` (``taps/unrouted.py``). docs/design.md section 11.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ import kimi_passes.ops  # noqa: F401  (registers torch.ops.kimi)
 from kimi_passes.ops.attn_res_args import AttnResArgs, record_signature
 from kimi_passes.vllm import versions
 from kimi_passes.vllm.k3 import eager, hook, plan, stream, surface
-from kimi_passes.vllm.k3.eager import TURN_OFF, EagerRoute
+from kimi_passes.vllm.k3.eager import TURN_OFF
 
 log = logging.getLogger(__name__)
 
@@ -123,9 +122,51 @@ ROUTES = {**dict.fromkeys(NVIDIA_MODULES, vllm_attn_res),
           **dict.fromkeys(AMD_MODULES, vllm_attn_res_amd)}
 #: The K3 model class of each vendor's model module.
 MODEL_CLASSES = {name: vendor for vendor, name in surface.MODEL_MODULES.items()}
-#: The process's route (``register`` or ``serve_eager`` builds it; ``unroute_attn_res``
-#: drops it): the one object holding every piece of the route's state.
+
+
+class EagerRoute(eager.Captures):
+    """The process's route: the stream it serves, vLLM's own ``attn_res``, and every name
+    it replaced, so that ``unroute_attn_res`` can put each back.
+
+    Every field is filled in this module (the per-thread capture mechanics, ``expect``,
+    ``claim``, ``watch`` and a forward's bracket, are ``eager.Captures``'). One per
+    process, built by ``_process_route`` alone; each K3 model it serves holds it as
+    ``_kimi_passes_route``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: The stream and its sources, resolved at the first K3 model init (None before).
+        self.choice: stream.StreamChoice | None = None
+        #: vLLM's own ``attn_res`` by vendor: what a call that is no consumer runs.
+        self.own: dict[str, Callable[..., Any]] = {}
+        #: vLLM's ``attn_res`` of each module the route rebound, by module name.
+        self.originals: dict[str, Any] = {}
+        #: The class attributes the route replaced: ``(class, name) -> own value or None``.
+        self.class_originals: dict[tuple[type, str], Any] = {}
+        #: The K3 import hook ``register`` armed, if any.
+        self.hook: hook.K3ImportHook | None = None
+
+    @property
+    def stream(self) -> str | None:
+        return None if self.choice is None else self.choice.stream
+
+
+#: The process's route (``_process_route`` builds it; ``unroute_attn_res`` drops it): the
+#: one object holding every piece of the route's state.
 _route: EagerRoute | None = None
+
+
+def _process_route(*, arm: bool = False) -> EagerRoute:
+    """The process's route: the one built, else a new one, which with ``arm`` arms the K3
+    import hook (``register``). The one place a route is built: ``register``,
+    ``route_attn_res`` and ``serve_eager`` all come here, so a process never holds two."""
+    global _route
+    if _route is None:
+        _route = EagerRoute()
+        if arm:  # with _route set: arm() runs _on_k3_import at once for a K3 imported
+            _route.hook = hook.arm(MODEL_CLASSES, _on_k3_import)
+    return _route
 
 
 def current() -> EagerRoute | None:
@@ -162,10 +203,7 @@ def route_attn_res() -> list[str]:
     """Rebind ``attn_res`` in every imported vLLM K3 module, and wrap the imported K3
     model classes' methods (``_methods``); returns the modules routed. Without a route
     (no ``register``), one is built; its stream unresolved, eager calls stay vLLM's."""
-    global _route
-    if _route is None:
-        _route = EagerRoute()
-    route = _route
+    route = _process_route()
     routed = []
     for name, fn in ROUTES.items():
         module = sys.modules.get(name)
@@ -254,24 +292,19 @@ def unroute_attn_res() -> None:
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: the variables checked, the route built,
     the K3 import hook armed (see the module docstring); imports no vLLM module."""
-    global _route
     stream.from_environment(os.environ)  # a bad value raises, before vLLM builds anything
-    if _route is not None:
-        return  # vLLM loads general plugins once a process; a second call changes nothing
-    _route = EagerRoute()
-    _route.hook = hook.arm(MODEL_CLASSES, _on_k3_import)
+    # vLLM loads general plugins once a process; a route already built is kept as it is.
+    _process_route(arm=True)
 
 
 def serve_eager(own: Callable[..., Any], vendor: str = "nvidia") -> EagerRoute:
     """The route serving the attn_res stream with ``own`` as vLLM's ``attn_res``, without
     vLLM (tools/gpu/eager_route.py): ``vllm_attn_res`` then runs as vLLM's K3 would call
     it, and ``current().expect`` makes captures. ``unroute_attn_res`` drops it."""
-    global _route
-    if _route is None:
-        _route = EagerRoute()
-    _route.own[vendor] = own
-    _route.choice = stream.StreamChoice.given("attn_res")
-    return _route
+    route = _process_route()
+    route.own[vendor] = own
+    route.choice = stream.StreamChoice.given("attn_res")
+    return route
 
 
 __all__ = ["EagerRoute", "current", "register", "route_attn_res", "serve_eager",
