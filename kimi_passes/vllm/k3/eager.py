@@ -1,11 +1,11 @@
 """The attn_res stream in vLLM's eager K3: each capture read out of its consumer's call.
 
-vLLM (0.33.0, 0.34.0) runs K3 eagerly (breakable CUDA graphs force mode NONE). When the stream
-resolved at the model's init is attn_res (``stream``), the plugin rebinds, class-level,
-the method vLLM's
-forward captures through (NVIDIA ``_capture_aux_hidden_stream``, ROCm
-``_maybe_add_hidden_state``); capture ``k``'s consumer is the call mixing with layer ``k``'s
-``self_attention_res_norm`` weight (the output aggregation's for ``k == L``).
+vLLM (0.33.0, 0.34.0) runs K3 eagerly (breakable CUDA graphs force mode NONE). When the
+stream resolved at the model's init is attn_res (``stream.resolve``), the route rebinds,
+class-level, the method vLLM's forward captures through (NVIDIA
+``_capture_aux_hidden_stream``, ROCm ``_maybe_add_hidden_state``) to the wrappers here;
+capture ``k``'s consumer is the call mixing with layer ``k``'s ``self_attention_res_norm``
+weight (the output aggregation's for ``k == L``).
 
 Before (vLLM, flag on; flag off returns ``prefix + pending`` instead)::
 
@@ -20,8 +20,8 @@ After::
 Invariants: in eager, only a capture's consumer runs a kimi op; every other AttnRes call
 is vLLM's own ``attn_res``. The decisions are Python, taken as the forward runs (a CUDA
 graph records them once; nothing syncs). Pending captures are per thread (``Captures``);
-a forward ending with one unconsumed raises. Under Dynamo the captures are vLLM's own (the
-compiled route's pass rewrites them). docs/design.md section 11.
+a forward ending with one unconsumed raises. Under Dynamo the captures are vLLM's own
+(``kimi_passes.vllm.compile_pass`` rewrites them). docs/design.md section 11.
 """
 
 from __future__ import annotations
