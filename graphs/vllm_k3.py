@@ -9,7 +9,7 @@ only where vLLM's code cannot run without a GPU or a distributed group: ``Attent
 MLA/KDA (a causal running mean), ``Mlp`` for the MoE, ``nn.Embedding``, ``Weights`` for
 the norm and AttnRes projection holders (the AttnRes path reads ``weight`` and
 ``variance_epsilon``), ``Stage`` for the PP group. vLLM's ``attn_res`` is whatever the
-modules hold: the route users get (``kimi_passes.vllm.k3_route``), vLLM's own kernel
+modules hold: the route users get (``kimi_passes.vllm.k3.route``), vLLM's own kernel
 (``vllm_kernel``, ``own_attn_res``: its installed source, interpreted without a GPU), or
 ``kimi_own`` standing in for it where the interpreter is too slow.
 
@@ -287,7 +287,7 @@ def vllm_kernel():
         yield
 
 
-# ------------------------------------------------ the eager route (k3_eager), as vLLM runs K3
+# ----------------------------------------------- the eager route (k3.eager), as vLLM runs K3
 
 def kimi_own(*args, quant_dtype=None, **kwargs):
     """Stand-in for vLLM's own ``attn_res`` (NVIDIA or ROCm signature) where its interpreted
@@ -311,7 +311,7 @@ def vllm_amd_attn_res():
 
 def as_vllms(fn, own):
     """``fn`` standing in for vLLM's ``own`` ``attn_res``: called as ``fn``, with ``own``'s
-    signature (what the route checks at ``register``, ``kimi_passes.vllm.k3_surface``)."""
+    signature (what the route checks at ``register``, ``kimi_passes.vllm.k3.surface``)."""
 
     @functools.wraps(fn)
     def stand_in(*args, **kwargs):

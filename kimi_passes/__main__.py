@@ -171,7 +171,7 @@ def main(argv=None) -> int:
     if argv[:1] == ["bench"]:
         return _bench(argv[1:])
     if argv[:1] == ["vllm-plan"]:
-        from kimi_passes.vllm.plan_command import main as vllm_plan
+        from kimi_passes.vllm.vllm_plan.command import main as vllm_plan
 
         return vllm_plan(argv[1:])
     parser = build_parser()

@@ -254,8 +254,8 @@ def _served(config, method, ids):
 
 @pytest.mark.vllm
 def test_vllm_adapter_reads_the_served_drafter(monkeypatch):
-    """The string route's pass (no draft_config) checks against the drafter vLLM serves,
-    and its uuid() changes with it."""
+    """The fixed-stream pass (``attn_res_stream_pass``, no draft_config) checks against the
+    drafter vLLM serves, and its uuid() changes with it."""
     import helpers.vllm_harness as h
     from vllm.config import set_current_vllm_config
 
@@ -266,10 +266,9 @@ def test_vllm_adapter_reads_the_served_drafter(monkeypatch):
     ids = token_ids(cfg, 9)
     keys = []
     for declared, ok in (((0, 1, 2), True), ((0, 2), False)):
-        config = _served(h.vllm_config(inductor_compile_config={"fallback_by_default": True},
-                                       inductor_passes={"post_grad_custom_post_pass":
-                                                        "kimi_passes.vllm.attn_res_stream_pass"}),
-                         "eagle3", declared)
+        config = _served(h.vllm_config(inductor_compile_config={
+            "fallback_by_default": True, "post_grad_custom_post_pass": attn_res_stream_pass}),
+            "eagle3", declared)
         with set_current_vllm_config(config):
             keys.append(attn_res_stream_pass.uuid())
         model = h.compile_k3(cfg, config)

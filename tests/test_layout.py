@@ -316,7 +316,7 @@ PUBLIC = {
                           "bench_quant"],
     # Imports no vLLM module (the vllm.general_plugins entry point); EagerRoute, current
     # and serve_eager: the route's state and its public hook (tools/gpu/eager_route.py).
-    "kimi_passes.vllm.k3_route": ["EagerRoute", "current", "register", "route_attn_res",
+    "kimi_passes.vllm.k3.route": ["EagerRoute", "current", "register", "route_attn_res",
                                   "serve_eager", "unroute_attn_res", "vllm_attn_res",
                                   "vllm_attn_res_amd"],
 }
@@ -339,6 +339,19 @@ def test_what_users_import_keeps_working(module):
         assert sorted(exported) == sorted(PUBLIC[module]), module
 
 
+def test_the_old_route_module_warns_and_is_the_new_one(monkeypatch):
+    """``kimi_passes.vllm.k3_route``, the route's name before ``k3.route``, kept for one
+    release: importing it warns naming the new module, and each name is the same object."""
+    import importlib
+
+    new = importlib.import_module("kimi_passes.vllm.k3.route")
+    monkeypatch.delitem(sys.modules, "kimi_passes.vllm.k3_route", raising=False)
+    with pytest.warns(DeprecationWarning, match=r"import kimi_passes\.vllm\.k3\.route"):
+        old = importlib.import_module("kimi_passes.vllm.k3_route")
+    assert sorted(old.__all__) == sorted(PUBLIC["kimi_passes.vllm.k3.route"])
+    assert all(getattr(old, n) is getattr(new, n) for n in old.__all__)
+
+
 def test_what_vllm_users_import_keeps_working():
     pytest.importorskip("vllm")
     import kimi_passes
@@ -346,8 +359,8 @@ def test_what_vllm_users_import_keeps_working():
 
     for name in PUBLIC_VLLM["kimi_passes.vllm"]:
         assert getattr(kv, name, None) is not None, name
-    # The string route reads these off the top package (vLLM's resolver).
-    assert kimi_passes.attn_res_stream_pass is kv.attn_res_stream_pass  # type: ignore[attr-defined]
+    # Importing the compile pass writes into no other module (the top package included).
+    assert not {"attn_res_stream_pass", "prefix_stream_pass"} & set(vars(kimi_passes))
 
 
 def test_the_public_objects_behave():
@@ -367,7 +380,7 @@ def test_the_entry_points_name_live_objects():
     vLLM's plugin ``kimi_passes`` (vllm.general_plugins)."""
     import kimi_passes.__main__
     import kimi_passes.backend
-    import kimi_passes.vllm.k3_route
+    import kimi_passes.vllm.k3.route
 
     eps = metadata.entry_points()
     (backend,) = [e for e in eps.select(group="torch_dynamo_backends") if e.name == "kimi"]
@@ -377,7 +390,7 @@ def test_the_entry_points_name_live_objects():
     plugins = [e for e in eps.select(group="vllm.general_plugins") if e.name == "kimi_passes"]
     assert plugins, ("the installed metadata has no vllm.general_plugins entry point "
                      "kimi_passes: reinstall (`pip install -e .`) after pyproject.toml changed")
-    assert plugins[0].load() is kimi_passes.vllm.k3_route.register
+    assert plugins[0].load() is kimi_passes.vllm.k3.route.register
 
 
 # --------------------------------------------------------------------------- the options

@@ -181,7 +181,7 @@ def params() -> list:
 
 def check_vllm_plan(out: str) -> None:
     """The README's plan: the drafter's declared stream, served by the eager route."""
-    import kimi_passes.vllm.k3_route as route
+    import kimi_passes.vllm.k3.route as route
 
     route.unroute_attn_res()  # vLLM loaded our plugin into this process
     assert re.search(r"^stream +attn_res, from the dflash drafter's config", out, re.M), out

@@ -312,14 +312,16 @@ def test_vllm_config_accepts_the_adapter_and_rejects_the_bare_pass():
         VllmBackend(bare).configure_post_pass()
 
 
-def test_named_string_route_keeps_the_adapter():
-    """``inductor_passes`` naming kimi_passes.vllm.<stream>_stream_pass: not re-wrapped."""
+def test_fixed_stream_passes_keep_the_adapter():
+    """``kimi_passes.vllm.<stream>_stream_pass`` given to vLLM: not re-wrapped, and keyed
+    apart by stream."""
+    import kimi_passes.vllm as kv
     from kimi_passes.vllm import KimiVllmPass
 
     uuids = set()
     for stream in ("attn_res", "prefix"):
-        config = h.vllm_config(inductor_passes={
-            "post_grad_custom_post_pass": f"kimi_passes.vllm.{stream}_stream_pass"})
+        config = h.vllm_config(inductor_compile_config={
+            "post_grad_custom_post_pass": getattr(kv, f"{stream}_stream_pass")})
         p = config.compilation_config.inductor_compile_config["post_grad_custom_post_pass"]
         assert isinstance(p, KimiVllmPass) and p.aux_stream == stream
         uuids.add(p.uuid())
@@ -347,7 +349,7 @@ def test_callable_string_route_is_refused():
 def test_import_kimi_passes_does_not_import_vllm_and_adapter_names_the_install():
     code = ("import sys, kimi_passes; assert 'vllm' not in sys.modules, 'imported vllm'\n"
             "sys.modules['vllm'] = None\n"
-            "import kimi_passes.vllm.k3_route\n"  # the plugin module imports no vLLM
+            "import kimi_passes.vllm.k3.route\n"  # the plugin module imports no vLLM
             "try:\n    from kimi_passes.vllm import compile_config_entries\n"
             "except ImportError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -4,7 +4,7 @@ The installed NVIDIA (``nvidia/model.py``) and ROCm (``amd/linear.py``) forward 
 unmodified (``kimi_passes.graphs.vllm_k3``, graphs/vllm_k3.py, names the stand-ins:
 attention, the MoE/MLP, the embedding, the norm/projection weight holders, the PP group, and
 vLLM's GPU-only Triton import). vLLM's ``attn_res`` reaches the graph the way users get it:
-the ``vllm.general_plugins`` entry point ``kimi_passes`` (``kimi_passes.vllm.k3_route``),
+the ``vllm.general_plugins`` entry point ``kimi_passes`` (``kimi_passes.vllm.k3.route``),
 loaded by vLLM's own ``load_general_plugins`` with ``$KIMI_PASSES_AUX_STREAM`` set
 (tests/helpers/vllm_harness.py ``load_vllm_plugins``). vLLM's configs are built on a CUDA
 platform stand-in and its served drafter is its ``SpeculativeConfig`` without a checkpoint
@@ -45,12 +45,12 @@ from helpers.vllm_harness import (  # noqa: E402
     count_attn_res,
     load_vllm_plugins,
     new_vllm_config,
-    start_k3_route,
+    start_route,
 )
 
 import kimi_passes  # noqa: E402
 import kimi_passes.graphs.vllm_k3 as h  # noqa: E402
-import kimi_passes.vllm.k3_route as route  # noqa: E402
+import kimi_passes.vllm.k3.route as route  # noqa: E402
 from kimi_passes.config.stream import ENV_VAR  # noqa: E402
 from kimi_passes.fx.manager import PassObserver  # noqa: E402
 from kimi_passes.ops import AttnResArgumentError  # noqa: E402
@@ -75,7 +75,7 @@ def routed():
     """
     h.vllm_modules()
     with h.with_own_attn_res(h.kimi_own, h.kimi_own):  # vLLM's own kernel's stand-in
-        start_k3_route("attn_res")
+        start_route("attn_res")
         yield
         route.unroute_attn_res()
 
@@ -136,14 +136,14 @@ def test_vllm_k3_plugin_routes_attn_res_only_when_enabled():
     own = (nvidia.attn_res, amd.attn_res)
     assert own[0].__module__ == "vllm.models.kimi_k3.nvidia.ops.attn_res"
     try:
-        start_k3_route(None)  # no source asks for a stream: nothing changes
+        start_route(None)  # no source asks for a stream: nothing changes
         assert (nvidia.attn_res, amd.attn_res) == own
     finally:
         route.unroute_attn_res()
     try:
         load_vllm_plugins("prefix")  # no K3 model built yet: nothing changes
         assert (nvidia.attn_res, amd.attn_res) == own
-        start_k3_route("prefix")  # a K3 model's init resolved the stream
+        start_route("prefix")  # a K3 model's init resolved the stream
         assert nvidia.attn_res is route.vllm_attn_res
         assert sys.modules["vllm.models.kimi_k3.nvidia.ops"].attn_res is route.vllm_attn_res
         assert amd.attn_res is route.vllm_attn_res_amd
@@ -185,7 +185,7 @@ def fp8_platform(fnuz: bool):
 
 def expect_capture(args):
     """Make the next ``attn_res`` call with ``args`` a capture's consumer (in eager only
-    consumers run the route's kimi ops; ``k3_eager``)."""
+    consumers run the route's kimi ops; ``k3.eager``)."""
     current = route.current()
     assert current is not None
     current.expect(args[3], args[0])

@@ -2,7 +2,7 @@
 
 vLLM's own config code (``VllmConfig``'s breakable-CUDA-graph resolution for a K3
 architecture, ``EngineArgs`` for the README's command) decides how K3 runs; the plan
-(``kimi_passes.vllm.k3_plan``) serves or refuses it; the installed K3 forward runs in that
+(``kimi_passes.vllm.k3.plan``) serves or refuses it; the installed K3 forward runs in that
 mode with the plugin loaded by vLLM's ``load_general_plugins``. The truth for every aux
 state: the installed NVIDIA code's flag-on eager output, every call vLLM's own ``attn_res``.
 
@@ -11,7 +11,7 @@ embedding, norm/projection holders and PP group; vLLM's own ``attn_res`` is its 
 NVIDIA / ROCm Triton kernel, interpreted (``TRITON_INTERPRET=1``) at T = 1 and 8, and
 ``kimi::attn_res`` (``h.kimi_own``) at T = 300, where the interpreter takes ~7 s a call;
 ``KimiLinearModel.__init__`` builds GPU modules, so the test calls the plan it runs
-(``k3_plan.startup``) on the harness's model; vLLM's platform is mocked (CUDA or ROCm)
+(``startup``) on the harness's model; vLLM's platform is mocked (CUDA or ROCm)
 where the resolution reads it; sequence parallelism's collectives are one rank's identity.
 """
 
@@ -40,13 +40,15 @@ from helpers.vllm_harness import (  # noqa: E402
     K3,
     gpu_platform,
     resolved_k3,
-    start_k3_route,
+    start_route,
 )
 
 import kimi_passes.graphs.vllm_k3 as h  # noqa: E402
-import kimi_passes.vllm.k3_route as route  # noqa: E402
+import kimi_passes.vllm.k3.route as route  # noqa: E402
 from kimi_passes.config.stream import ENV_VAR  # noqa: E402
-from kimi_passes.vllm import k3_eager, k3_plan, k3_stream  # noqa: E402
+from kimi_passes.vllm.k3.eager import capture_call  # noqa: E402
+from kimi_passes.vllm.k3.plan import serving_plan, startup  # noqa: E402
+from kimi_passes.vllm.k3.stream import StreamConflict, VllmRouteError  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("aten_fallback", "caches_off")]
 
@@ -69,7 +71,7 @@ def own_kernels(T: int):
 def served(T: int, stream: str | None = "attn_res", calls: h.Calls | None = None,
            vllm_config=None):
     """The plugin loaded and the stream resolved as vLLM's K3 process does
-    (``start_k3_route``: ``$KIMI_PASSES_AUX_STREAM`` = ``stream``, vLLM's flag as set,
+    (``start_route``: ``$KIMI_PASSES_AUX_STREAM`` = ``stream``, vLLM's flag as set,
     ``vllm_config``'s drafter); vLLM's own kernels (counted) at non-consumers. Yields the
     process's ``EagerRoute``."""
     nvidia_fn, amd_fn = own_kernels(T)
@@ -77,7 +79,7 @@ def served(T: int, stream: str | None = "attn_res", calls: h.Calls | None = None
         nvidia_fn, amd_fn = calls.wrap(nvidia_fn), calls.wrap(amd_fn)
     with h.with_own_attn_res(nvidia_fn, amd_fn):
         try:
-            yield start_k3_route(stream, vllm_config)
+            yield start_route(stream, vllm_config)
         finally:
             route.unroute_attn_res()
 
@@ -120,7 +122,7 @@ def resolved(cc: dict, breakable: str | None, rocm: bool = False, extra=None,
 
 def plan_for(config, env, stream="attn_res", sp=False):
     with mock.patch.dict(os.environ, env, clear=True):
-        return k3_plan.serving_plan(config, stream=stream, sequence_parallel=sp)
+        return serving_plan(config, stream=stream, sequence_parallel=sp)
 
 
 STOCK = {"mode": 1, "backend": "kimi"}
@@ -149,7 +151,7 @@ def test_vllm_config_resolution_decides_the_route(cc, breakable, rocm, want):
         if want == "compiled":
             assert "FailOnRecompileLimitHit" in plan.why
         return
-    with pytest.raises(k3_plan.VllmRouteError, match=rf"{want}.*Drop the -cc mode.*{ENV_VAR}"):
+    with pytest.raises(VllmRouteError, match=rf"{want}.*Drop the -cc mode.*{ENV_VAR}"):
         plan_for(config, env)
     assert plan_for(config, env, stream="prefix").stream == "prefix"  # vLLM's own values
 
@@ -158,10 +160,10 @@ def test_vllm_k3_refusals_name_the_fix():
     """The specialized decode executor, and sequence parallelism compiled, are refused;
     sequence parallelism in eager is served."""
     config, env = resolved({}, None, extra={"decode_backend": "latency_specialized"})
-    with pytest.raises(k3_plan.VllmRouteError, match="specialized decode.*Drop decode_backend"):
+    with pytest.raises(VllmRouteError, match="specialized decode.*Drop decode_backend"):
         plan_for(config, env)
     config, env = resolved(STOCK, "0")
-    with pytest.raises(k3_plan.VllmRouteError, match="sequence parallelism.*Drop the -cc"):
+    with pytest.raises(VllmRouteError, match="sequence parallelism.*Drop the -cc"):
         plan_for(config, env, sp=True)
     config, env = resolved({}, None)
     assert plan_for(config, env, sp=True).route == "eager"
@@ -186,12 +188,12 @@ def run_eager(vendor, dtype, T, on, *, ids=CAPTURE, at_capture=None, stream="att
     def record(args, kwargs):
         if at_capture is not None:
             with torch.utils._python_dispatch._disable_current_modes():  # not the forward's
-                at_capture.append(own(*k3_eager.capture_call(args, kwargs)))
+                at_capture.append(own(*capture_call(args, kwargs)))
 
     with h.flag(on), served(T, stream=stream, calls=calls) as served_route, \
             served_route.watch(record):
         model = h.build(SPEC, h.weights(SPEC, dtype), ids, amd=vendor == "amd", **build)
-        plan = k3_plan.startup(model, config, served_route.choice)  # what __init__ runs
+        plan = startup(model, config, served_route.choice)  # what __init__ runs
         assert plan.route == "eager", plan
         calls.own.clear()
         with calls:
@@ -235,7 +237,7 @@ def test_vllm_k3_eager_route_pp_stages():
                 stages = [h.build(SPEC, w, CAPTURE, start=0, end=4, pp=first),
                           h.build(SPEC, w, CAPTURE, start=4, end=6, pp=last)]
                 for m in stages:
-                    k3_plan.startup(m, config, "attn_res")
+                    startup(m, config, "attn_res")
                 ids = h.token_ids(SPEC, T)
                 calls.own.clear()
                 with calls:
@@ -286,7 +288,7 @@ def test_vllm_k3_eager_route_prefix_stream_is_vllms_own():
         got = h.aux_of(h.call(h.build(SPEC, h.weights(SPEC), CAPTURE), h.token_ids(SPEC, 8)))
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
-    with h.flag(True), pytest.raises(k3_stream.StreamConflict, match=(
+    with h.flag(True), pytest.raises(StreamConflict, match=(
             rf"\${ENV_VAR}=prefix asks for 'prefix', \${h.FLAG}=1 asks for 'attn_res'")):
         with served(8, stream="prefix"):
             pass
@@ -318,7 +320,7 @@ def test_vllm_k3_eager_plan_refuses_a_dynamo_trace():
     config, env = resolved({}, None)
     with h.flag(False), served(8):
         model = h.build(SPEC, h.weights(SPEC), CAPTURE)
-        k3_plan.startup(model, config, "attn_res")
+        startup(model, config, "attn_res")
         torch._dynamo.reset()
         compiled = torch.compile(model, backend="eager", fullgraph=True)
         with pytest.raises(Exception, match="traced by Dynamo though vLLM's config runs it "
@@ -336,7 +338,7 @@ def test_vllm_k3_init_runs_the_plan():
                            lambda self, *, vllm_config, prefix="": None), \
             mock.patch.dict(os.environ, env, clear=True):
         with served(1):
-            with pytest.raises(k3_plan.VllmRouteError, match="backend 'inductor'"):
+            with pytest.raises(VllmRouteError, match="backend 'inductor'"):
                 nvidia.KimiLinearModel(vllm_config=config)
             config, env = resolved({}, None)
             model = nvidia.KimiLinearModel(vllm_config=config)
@@ -383,7 +385,7 @@ def test_readme_vllm_command_through_vllms_engine_args(tmp_path):
                 assert route.current() is not None, "vLLM did not load kimi_passes"
             finally:
                 route.unroute_attn_res()
-            plan = k3_plan.serving_plan(config, stream=os.environ[ENV_VAR],
+            plan = serving_plan(config, stream=os.environ[ENV_VAR],
                                         sequence_parallel=False)
         assert plan.route == "eager", (rocm, plan)
     out, calls = run_eager("nvidia", torch.float32, 8, False)
@@ -433,7 +435,7 @@ def test_vllm_k3_eager_route_two_threads():
 
     with h.flag(False), served(8) as served_route:
         model = h.build(SPEC, h.weights(SPEC), CAPTURE)
-        k3_plan.startup(model, config, served_route.choice)
+        startup(model, config, served_route.choice)
         model.layers[3].self_attention_res_norm.__class__ = PausingNorm
         first = threading.Thread(target=forward, args=(8,), name="first")
         first.start()

@@ -1,8 +1,8 @@
 """The stream a vLLM K3 process serves, from what the user and the drafter said.
 
 Through vLLM's own code: ``EngineArgs.create_engine_config`` for a K3 ``config.json``
-(graphs/configs/k3) on a CUDA platform stand-in (``target_platform``) and a drafter whose
-``config.json`` declares each stream, for each method vLLM 0.33.0 and 0.34.0 accept with
+(graphs/configs/k3) on a CUDA platform stand-in (``vllm_plan.platform``) and a drafter
+whose ``config.json`` declares each stream, for each method vLLM 0.33.0 and 0.34.0 accept with
 K3 and feed aux states (eagle3; dflash, which serves DFlash2 drafters too; dspark, on
 vLLM's V2 model runner, which a GPU with Triton picks; extract_hidden_states); vLLM's
 plugin loader; ``KimiLinearModel.__init__`` as the plugin wraps it; the installed K3
@@ -34,9 +34,10 @@ from helpers.op import OP_TOL  # noqa: E402
 from helpers.vllm_harness import load_vllm_plugins  # noqa: E402
 
 import kimi_passes.graphs.vllm_k3 as h  # noqa: E402
-import kimi_passes.vllm.k3_route as route  # noqa: E402
+import kimi_passes.vllm.k3.route as route  # noqa: E402
 from kimi_passes.config.stream import ENV_VAR  # noqa: E402
-from kimi_passes.vllm import k3_stream, plan_command  # noqa: E402
+from kimi_passes.vllm.k3.stream import StreamConflict, VllmRouteError  # noqa: E402
+from kimi_passes.vllm.vllm_plan import command  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("aten_fallback", "caches_off")]
 
@@ -101,7 +102,7 @@ def engine(drafters):
             with environ(**{**CLEAN, "HF_HUB_OFFLINE": "1", "VLLM_USE_V2_MODEL_RUNNER": "1",
                             **env}):
                 try:
-                    built[key] = plan_command.engine_config(
+                    built[key] = command.engine_config(
                         serve_args(method, declared, tmp, *extra), "cuda")
                 finally:
                     route.unroute_attn_res()  # vLLM may have loaded our plugin
@@ -142,7 +143,7 @@ def test_vllm_k3_stream_is_the_drafters_or_refused(engine, method):
                 assert model._kimi_passes_route is route.current()
                 assert (plan.stream, plan.route) == (declared, "eager"), (method, ours, plan)
                 assert where in plan.source and (ours is None or ENV_VAR in plan.source)
-        with pytest.raises(k3_stream.StreamConflict, match=re.escape(
+        with pytest.raises(StreamConflict, match=re.escape(
                 f"${ENV_VAR}={OTHER[declared]} asks for '{OTHER[declared]}', {where}")):
             with k3_process(config, **{ENV_VAR: OTHER[declared]}):
                 pass
@@ -183,7 +184,7 @@ def test_vllm_k3_stream_refusals(engine):
     """vLLM's flag against a drafter declaring prefix; a flag vLLM cannot read; the kimi
     backend compiling another stream than the drafter's: each refused naming the fix."""
     config = engine("eagle3", "prefix")
-    with pytest.raises(k3_stream.StreamConflict, match=re.escape(
+    with pytest.raises(StreamConflict, match=re.escape(
             f"${h.FLAG}=1 asks for 'attn_res', the eagle3 drafter's config")):
         with k3_process(config, **{h.FLAG: "1"}):
             pass
@@ -192,7 +193,7 @@ def test_vllm_k3_stream_refusals(engine):
             pass
     stock = engine("eagle3", "prefix", "-cc", '{"mode": 1, "backend": "kimi"}',
                    VLLM_USE_BREAKABLE_CUDAGRAPH="0")
-    with pytest.raises(k3_stream.VllmRouteError, match=(
+    with pytest.raises(VllmRouteError, match=(
             rf"backend 'kimi' gets no options.*Set \${ENV_VAR}=prefix")):
         with k3_process(stock, VLLM_USE_BREAKABLE_CUDAGRAPH="0"):
             pass
@@ -207,9 +208,9 @@ def test_vllm_k3_plugins_without_kimi_passes_run_nothing_of_ours(engine, capsys)
     with environ(**{**CLEAN, "VLLM_PLUGINS": "other", ENV_VAR: "attn_res"}):
         load_vllm_plugins("attn_res")
         assert route.current() is None and nvidia.attn_res is own
-        with mock.patch.object(plan_command, "engine_config",
-                               lambda argv, platform: engine("dflash", "attn_res")):
-            assert plan_command.main([str(K3)]) == 1
+        with mock.patch.object(command, "engine_config",
+                               lambda argv, kind: engine("dflash", "attn_res")):
+            assert command.main([str(K3)]) == 1
     out = capsys.readouterr().out
     assert "$VLLM_PLUGINS='other' omits kimi_passes" in out and "refused" in out, out
 
@@ -218,7 +219,7 @@ def test_vllm_plan_refuses_what_startup_refuses(drafters, capsys):
     """``vllm-plan`` with our variable against the drafter's declaration: exit 1, the
     refusal printed as startup would raise it."""
     with environ(**{**CLEAN, ENV_VAR: "prefix"}):
-        assert plan_command.main(serve_args("dflash", "attn_res", drafters)) == 1
+        assert command.main(serve_args("dflash", "attn_res", drafters)) == 1
     out = capsys.readouterr().out
     assert re.search(r"refused +kimi_passes: two sources ask for different aux streams", out)
 
@@ -231,11 +232,11 @@ def test_vllm_plan_resolves_for_the_platform_named(drafters, capsys):
     for platform, graphs in (([], "mode NONE (breakable CUDA graphs)"),
                              (["--platform", "rocm"], "(no breakable CUDA graphs)")):
         with environ(**CLEAN), mock.patch("torch.cuda.is_available", lambda: False):
-            assert plan_command.main([*platform, *args]) == 0
+            assert command.main([*platform, *args]) == 0
             route.unroute_attn_res()  # vLLM may have loaded our plugin
         out = capsys.readouterr().out
         kind = "ROCM" if platform else "CUDA"
         assert f"resolved for a {kind} platform stand-in (no GPU here)" in out, out
         assert re.search(r"route +eager: .*" + re.escape(graphs), out), out
-    assert plan_command.main(["--platform", "tpu", *args]) == 2
+    assert command.main(["--platform", "tpu", *args]) == 2
     assert "--platform 'tpu': pass one of cuda, rocm" in capsys.readouterr().err

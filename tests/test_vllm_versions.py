@@ -1,5 +1,5 @@
 """The vLLM versions kimi_passes is tested on, what it reads from each one's API, and the
-route's refusal of a vLLM whose K3 changed (``kimi_passes.vllm.versions``, ``k3_surface``).
+route's refusal of a vLLM whose K3 changed (``kimi_passes.vllm.versions``, ``k3.surface``).
 
 Run on the installed vLLM (CI: 0.34.0 whole, 0.33.0 in the compatibility step): each
 version's facts are asserted where that version is installed, from the version's number
@@ -32,8 +32,11 @@ if importlib.util.find_spec("vllm") is None:  # test_vllm_required.py fails on C
 import helpers.vllm_harness as vh  # noqa: E402
 
 import kimi_passes.graphs.vllm_k3 as h  # noqa: E402
-import kimi_passes.vllm.k3_route as route  # noqa: E402
-from kimi_passes.vllm import k3_plan, k3_surface, versions  # noqa: E402
+import kimi_passes.vllm.k3.route as route  # noqa: E402
+from kimi_passes.vllm import versions  # noqa: E402
+from kimi_passes.vllm.k3 import surface  # noqa: E402
+from kimi_passes.vllm.k3.plan import serving_plan  # noqa: E402
+from kimi_passes.vllm.k3.stream import VllmRouteError  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -58,7 +61,7 @@ def test_an_untested_vllm_is_named_at_startup(version, monkeypatch, caplog):
     h.vllm_modules()
     with caplog.at_level(logging.WARNING, logger="kimi_passes"):
         for _ in range(2):  # two K3 inits in one process
-            vh.start_k3_route("attn_res")
+            vh.start_route("attn_res")
             route.unroute_attn_res()
     said = [r.getMessage() for r in caplog.records if "outside the versions" in r.getMessage()]
     assert len(said) == 1, said
@@ -99,7 +102,7 @@ def _changed(vendor: str, change: str):
     nvidia, amd = h.vllm_modules()
     module = nvidia if vendor == "nvidia" else amd
     cls = module.KimiLinearModel
-    capture = k3_surface.CAPTURE[vendor]
+    capture = surface.CAPTURE[vendor]
     where = f"{module.__name__}.KimiLinearModel"
     if change == "renamed":
         return (module, "KimiLinearModel", _renamed(cls, capture, capture + "_v2"),
@@ -116,15 +119,15 @@ def _changed(vendor: str, change: str):
 @pytest.mark.parametrize("change", ["renamed", "new parameter", "attn_res"])
 def test_vllm_startup_refuses_a_changed_k3(vendor, change):
     """A renamed capture method, one with a new parameter, an ``attn_res`` with other
-    parameters: the first K3 init under the stream (``k3_route.activate``) raises naming
+    parameters: the first K3 init under the stream (``k3.route.activate``) raises naming
     the change and the tested versions, and nothing of vLLM's is routed or wrapped."""
     module, name, stand_in, says = _changed(vendor, change)
     own_attn_res = {m: vars(sys.modules[m])["attn_res"] for m in route.ROUTES}
     with mock.patch.object(module, name, stand_in), pytest.raises(
-            k3_surface.K3SurfaceError, match=rf"Kimi K3 is not the one the route was written "
+            surface.K3SurfaceError, match=rf"Kimi K3 is not the one the route was written "
                                              rf"for \(vLLM 0.33.0, 0.34.0\): .*{says}.*"
                                              r"unset \$KIMI_PASSES_AUX_STREAM"):
-        vh.start_k3_route("attn_res")
+        vh.start_route("attn_res")
     routed = route.current()
     assert {m: vars(sys.modules[m])["attn_res"] for m in route.ROUTES} == own_attn_res
     assert routed is not None and not routed.originals and not routed.own
@@ -134,11 +137,11 @@ def test_vllm_startup_refuses_a_changed_k3(vendor, change):
 
 
 def test_vllm_k3_record_is_what_the_route_wraps():
-    """``k3_surface.METHODS`` names exactly the methods the route wraps, per vendor."""
+    """``surface.METHODS`` names exactly the methods the route wraps, per vendor."""
     for vendor in ("nvidia", "amd"):
         wrapped = {*route._methods(route.EagerRoute(), vendor), "__init__"}
-        assert set(k3_surface.METHODS[vendor]) == wrapped
-        assert k3_surface.CAPTURE[vendor] in k3_surface.METHODS[vendor]
+        assert set(surface.METHODS[vendor]) == wrapped
+        assert surface.CAPTURE[vendor] in surface.METHODS[vendor]
 
 
 # ------------------------------------------------------------------- the capture call sites
@@ -146,19 +149,19 @@ def test_vllm_k3_record_is_what_the_route_wraps():
 def test_the_installed_vllm_k3_capture_call_sites():
     """vLLM's K3 captures in ``KimiLinearModel.forward``; 0.34.0's specialized decode also
     calls the NVIDIA capture in its wide and hybrid steps (a backend the plan refuses)."""
-    root = k3_surface.package_root()
+    root = surface.package_root()
     nvidia = {"nvidia/model.py:KimiLinearModel.forward"}
     if V34:
         nvidia |= {"nvidia/specialized_decode/runtime/decode.py:SpecializedDecode.run_wide",
                    "nvidia/specialized_decode/runtime/hybrid.py:HybridStep.run"}
-    assert k3_surface.call_sites(root, "_capture_aux_hidden_stream") == nvidia
-    assert k3_surface.call_sites(root, "_maybe_add_hidden_state") == {
+    assert surface.call_sites(root, "_capture_aux_hidden_stream") == nvidia
+    assert surface.call_sites(root, "_maybe_add_hidden_state") == {
         "amd/linear.py:KimiLinearModel.forward",
         "amd/linear.py:KimiLinearModel._maybe_add_hidden_state"}
-    with pytest.raises(k3_plan.VllmRouteError, match="specialized decode"):
+    with pytest.raises(VllmRouteError, match="specialized decode"):
         config, env = vh.resolved_k3({}, None, extra={"decode_backend": "latency_specialized"})
         with mock.patch.dict("os.environ", env, clear=True):
-            k3_plan.serving_plan(config, stream="attn_res", sequence_parallel=False)
+            serving_plan(config, stream="attn_res", sequence_parallel=False)
 
 
 FORWARD = """
@@ -177,18 +180,18 @@ def test_vllm_k3_new_capture_call_site_is_refused(tmp_path):
     ``forward`` that no longer calls it, are each named."""
     (tmp_path / "nvidia").mkdir()
     (tmp_path / "nvidia" / "model.py").write_text(FORWARD)
-    assert k3_surface.site_changes("nvidia", tmp_path) == []
+    assert surface.site_changes("nvidia", tmp_path) == []
     (tmp_path / "nvidia" / "draft.py").write_text(ELSEWHERE)
-    assert k3_surface.site_changes("nvidia", tmp_path) == [
+    assert surface.site_changes("nvidia", tmp_path) == [
         "_capture_aux_hidden_stream is called from ['nvidia/draft.py:draft_step'], where the "
         "route does not check that each capture found its consumer"]
     (tmp_path / "nvidia" / "model.py").write_text(FORWARD.replace("_capture", "_take"))
-    assert k3_surface.site_changes("nvidia", tmp_path)[0] == (
+    assert surface.site_changes("nvidia", tmp_path)[0] == (
         "nvidia/model.py:KimiLinearModel.forward no longer calls _capture_aux_hidden_stream: "
         "its captures would not reach the route")
     h.vllm_modules()
-    with pytest.raises(k3_surface.K3SurfaceError, match=r"nvidia/draft.py:draft_step"):
-        k3_surface.check(route.ROUTES, root=tmp_path)
+    with pytest.raises(surface.K3SurfaceError, match=r"nvidia/draft.py:draft_step"):
+        surface.check(route.ROUTES, root=tmp_path)
 
 
 # ------------------------------------------------- each vLLM's own API: graphs, drafters
@@ -201,7 +204,7 @@ def test_the_startup_line_says_what_vllm_resolved(rocm):
         config, env = vh.resolved_k3({}, breakable, rocm=rocm)
         with mock.patch.dict("os.environ", env, clear=True):
             assert versions.breakable_cudagraphs(config) is want, (breakable, rocm)
-            why = k3_plan.serving_plan(config, stream="attn_res", sequence_parallel=False).why
+            why = serving_plan(config, stream="attn_res", sequence_parallel=False).why
         assert ("(no breakable CUDA graphs)" not in why) is want, why
         if V34:  # the variable is not where 0.34.0 keeps its answer
             assert config.compilation_config.use_breakable_cudagraph is want
@@ -220,7 +223,7 @@ def test_k3_architectures_as_vllm_registers_them():
         assert (entry.module_name, entry.class_name) == ("vllm.models.kimi_k3", vh.K3), arch
         config, env = vh.resolved_k3({"mode": 1, "backend": "kimi"}, None, architecture=arch)
         with mock.patch.dict("os.environ", env, clear=True):
-            plan = k3_plan.serving_plan(config, stream="attn_res", sequence_parallel=False)
+            plan = serving_plan(config, stream="attn_res", sequence_parallel=False)
         assert plan.route == "eager" and "(breakable CUDA graphs)" in plan.why, (arch, plan)
 
 

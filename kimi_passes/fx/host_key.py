@@ -29,6 +29,5 @@ def check_host_key(pass_) -> None:
                 "stream's graph to another. This is what CompilationConfig(inductor_passes="
                 "{'post_grad_custom_post_pass': 'pkg.attr'}) does with a plain kimi pass. "
                 "Remedy: inductor_compile_config=kimi_passes.vllm.compile_config_entries("
-                "aux_stream=...), or inductor_passes naming 'kimi_passes.vllm."
-                "attn_res_stream_pass' / 'kimi_passes.vllm.prefix_stream_pass'"
+                "aux_stream=...), a KimiVllmPass keyed by the stream and options"
             )

@@ -257,7 +257,7 @@ def unrouted(found: list[str]) -> str:
         "(kimi_passes' vllm.general_plugins entry point then routes vLLM's attn_res to "
         "kimi::attn_res at the model's init, before it is compiled; if $VLLM_PLUGINS is set, "
         "it must list "
-        "kimi_passes; without the package metadata call kimi_passes.vllm.k3_route.register() "
+        "kimi_passes; without the package metadata call kimi_passes.vllm.k3.route.register() "
         "after importing vLLM), or request aux_stream='prefix' to serve vLLM's own values. "
         "Serving no drafter, the kimi passes have nothing to do in this graph: compile with "
         "backend='inductor'. docs/reference.md, \"vLLM's Kimi K3\"")

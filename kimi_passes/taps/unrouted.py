@@ -3,7 +3,7 @@
 Invariant, per graph the ``kimi`` backend or the aux-stream pass sees (raised as
 ``AuxCaptureError``, before any rewrite): under the ``"attn_res"`` stream no node calls
 vLLM's K3 ``attn_res`` as vLLM ships it. The kimi passes recognise aux captures only
-around ``kimi::attn_res``; an unrouted K3 forward (``kimi_passes.vllm.k3_route`` routes
+around ``kimi::attn_res``; an unrouted K3 forward (``kimi_passes.vllm.k3.route`` routes
 it) keeps vLLM's captures, the legacy running prefix, and the drafter would silently lose
 acceptance. Under the ``"prefix"`` stream nothing is checked.
 

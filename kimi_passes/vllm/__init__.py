@@ -1,18 +1,26 @@
-"""kimi_passes inside vLLM: the compile-pipeline pass and the K3 route.
+"""kimi_passes inside vLLM: the compile-pipeline pass, the K3 route, the ``vllm-plan`` command.
 
 - ``compile_pass``: ``KimiVllmPass``, the kimi pass manager as vLLM's post-grad
-  ``InductorPass`` (``compile_config_entries``, ``make_vllm_pass``, the two named
-  ``<stream>_stream_pass`` objects for ``inductor_passes``). Imports vLLM.
-- ``k3_route``: the ``vllm.general_plugins`` entry point; once vLLM imports its K3 model
-  (``k3_hook``) and a source asks for a stream (``k3_stream``) it routes vLLM's own K3
-  ``attn_res`` and wraps its model's methods: ``k3_eager`` (the stream in eager K3) and
-  ``k3_plan`` (served or refused at the model's init); ``plan_command`` is ``vllm-plan``.
-  Imports no vLLM module itself.
+  ``InductorPass`` (``compile_config_entries``, ``make_vllm_pass``, the two
+  ``<stream>_stream_pass`` objects of fixed stream). Imports vLLM.
+- ``k3/``: the K3 route, vLLM's ``vllm.general_plugins`` entry point
+  (``k3.route.register``): once vLLM imports its K3 model (``k3.hook``) and a source asks
+  for a stream (``k3.stream``), vLLM's own K3 ``attn_res`` is routed to the kimi ops and
+  its model's methods are wrapped (``k3.route``, ``k3.eager``), a changed K3 refused
+  (``k3.surface``), the config served or refused (``k3.plan``). Imports no vLLM module.
+- ``vllm_plan/``: ``python -m kimi_passes vllm-plan``, a ``vllm serve`` command line run
+  through vLLM's config resolution and the route's startup (``vllm_plan.command``), on a
+  stand-in for a GPU platform this machine lacks (``vllm_plan.platform``).
+- ``versions``: what differs between the vLLM versions we were written for, and the
+  warning for an untested one.
 - ``peer``: ``load_peer``, vLLM's K3 kernel file as the benches', tests' and tools' peer
   (an installed vLLM's file or a prepared copy, run with stand-ins). Never imports vLLM.
+- ``k3_route``: the route's old module name, a deprecated alias of ``k3.route`` for one
+  release.
 
-Importing this package imports neither: the names of ``compile_pass`` load on first use,
-so vLLM's plugin loader reaches ``k3_route`` without importing vLLM's compile pipeline.
+Invariant: importing this package imports no vLLM module: the names of ``compile_pass``
+load on first use, so vLLM's plugin loader reaches ``k3.route`` without importing vLLM's
+compile pipeline.
 """
 
 from __future__ import annotations

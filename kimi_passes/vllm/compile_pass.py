@@ -1,4 +1,4 @@
-"""kimi_passes inside vLLM: the pass manager as a vLLM ``InductorPass``.
+"""kimi_passes inside vLLM's compile pipeline: the pass manager as a vLLM ``InductorPass``.
 
 vLLM compiles with its own backend and accepts one user post-grad pass, which
 must be an instance of its ``InductorPass``::
@@ -6,20 +6,19 @@ must be an instance of its ``InductorPass``::
     from kimi_passes.vllm import compile_config_entries
     CompilationConfig(inductor_compile_config=compile_config_entries(aux_stream="attn_res"))
 
-This module imports vLLM; ``import kimi_passes`` never imports it.
+Invariant: the pass vLLM runs is a ``KimiVllmPass`` whose ``uuid()`` is its manager's, so
+vLLM keeps it unwrapped (no ``CallableInductorPass``, whose key hashes the class only) and
+its caches key each stream, option and served drafter apart. ``attn_res_stream_pass`` and
+``prefix_stream_pass`` are two such passes (fixed stream, default options), passed as
+objects in ``inductor_compile_config``. A qualified name in ``inductor_passes`` does not
+reach them: vLLM resolves ``"a.b.name"`` as ``__import__("a.b").__dict__["name"]``, the
+top package's ``__dict__``, and this module writes into no other module.
 
-The string route ``CompilationConfig(inductor_passes={"post_grad_custom_post_pass":
-"kimi_passes.vllm.attn_res_stream_pass"})`` (or ``...prefix_stream_pass``) is safe too:
-vLLM resolves ``"a.b.name"`` as ``__import__("a.b").__dict__["name"]``: it reads the
-top package's ``__dict__`` (no module ``__getattr__`` is asked), so this module places
-those two objects on ``kimi_passes`` when it is imported (the one write into the parent
-package, at the end of this file). They are ``InductorPass`` instances, so vLLM keeps
-them as they are (no ``CallableInductorPass`` wrapper, whose key hashes the class only).
+This module imports vLLM; ``import kimi_passes`` never imports it.
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 try:
@@ -154,10 +153,6 @@ def compile_config_entries(aux_stream: str | None = None, **options) -> dict[str
     return {PASS_KEY: make_vllm_pass(aux_stream, **options)}
 
 
-#: For the string route (see the module docstring); fixed streams, default options.
+#: The pass for each stream with default options (see the module docstring).
 attn_res_stream_pass = KimiVllmPass(KimiPassConfig(aux_stream="attn_res"))
 prefix_stream_pass = KimiVllmPass(KimiPassConfig(aux_stream="prefix"))
-
-# vLLM's resolver reads kimi_passes.__dict__ (see the module docstring).
-vars(sys.modules["kimi_passes"]).update(attn_res_stream_pass=attn_res_stream_pass,
-                                        prefix_stream_pass=prefix_stream_pass)

@@ -6,7 +6,7 @@ outside the tested range is named at startup:
 
 - ``TESTED``: vLLM 0.33.0 and 0.34.0; below 0.33.0 or above 0.34.x, ``warn_if_untested``
   logs a warning naming the installed and the tested versions, once per process (the
-  route at the first K3 model's init, ``k3_route.activate``, and the compile pass).
+  route at the first K3 model's init, ``k3.route.activate``, and the compile pass).
 - ``breakable_cudagraphs(vllm_config)``: whether vLLM resolved breakable CUDA graphs on:
   0.34 keeps it in ``compilation_config.use_breakable_cudagraph``
   (``is_breakable_cudagraph_enabled(compilation_config)``); 0.33 in

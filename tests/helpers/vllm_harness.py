@@ -46,7 +46,7 @@ import kimi_passes  # noqa: E402,F401
 from helpers.k3 import token_ids  # noqa: E402
 from kimi_passes.config.stream import ENV_VAR  # noqa: E402
 from kimi_passes.graphs.k3 import K3Config, K3Model  # noqa: E402
-from kimi_passes.vllm import target_platform  # noqa: E402
+from kimi_passes.vllm.vllm_plan import platform  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -264,7 +264,7 @@ BREAKABLE = "VLLM_USE_BREAKABLE_CUDAGRAPH"
 
 #: vLLM's platform as a CUDA or ROCm machine where its config resolution reads it (the
 #: package's, which ``vllm-plan`` uses too).
-gpu_platform = target_platform.stand_in
+gpu_platform = platform.stand_in
 
 
 def new_vllm_config(**fields):
@@ -330,13 +330,13 @@ def speculative_config(method: str, hf_config, speculator_class: str | None = No
     return spec
 
 
-def start_k3_route(env: str | None, vllm_config=None):
+def start_route(env: str | None, vllm_config=None):
     """The plugin loaded as vLLM loads it (``load_vllm_plugins``), then the stream resolved
-    as a K3 model's init resolves it (``k3_route.activate``), with
+    as a K3 model's init resolves it (``k3.route.activate``), with
     ``$KIMI_PASSES_AUX_STREAM`` = ``env`` (None: unset), vLLM's flag as the environment
     has it and ``vllm_config``'s drafter. Returns the process's ``EagerRoute``; undo with
-    ``k3_route.unroute_attn_res()``."""
-    import kimi_passes.vllm.k3_route as route
+    ``k3.route.unroute_attn_res()``."""
+    import kimi_passes.vllm.k3.route as route
 
     load_vllm_plugins(env)
     current = route.current()

@@ -1,4 +1,4 @@
-"""The eager route (kimi_passes/vllm/k3_eager.py) on a GPU, without vLLM installed.
+"""The eager route (kimi_passes/vllm/k3/eager.py) on a GPU, without vLLM installed.
 
 vLLM is too large to carry to the lent GPU, so this drives the project's reference K3
 (``kimi_passes.graphs.k3.K3Model``: its layers' AttnRes calls, block writes and taps in
@@ -7,12 +7,12 @@ K3's order) with vLLM's own ``attn_res`` (``kimi_passes.vllm.peer``: an installe
 
 - ``off``: vLLM's flag off (every call vLLM's; a tap is ``prefix + pending``);
 - ``on``: vLLM's flag on (a tap is a second, pure mixing call);
-- ``route``: the eager route (``k3_route.serve_eager``, then ``k3_route.vllm_attn_res``; a
+- ``route``: the eager route (``k3.route.serve_eager``, then ``k3.route.vllm_attn_res``; a
   tap is the route's ``expect(norm_weight, prefix)``, filled by its consumer's
   ``kimi::attn_res_capture``; every other call vLLM's).
 
 Checked: each route capture against vLLM's flag-on capture at that point (the route's
-``watch`` hook, ``k3_eager.capture_call``, ``OP_TOL``); under ``torch.cuda.graph``, the
+``watch`` hook, ``k3.eager.capture_call``, ``OP_TOL``); under ``torch.cuda.graph``, the
 captured route replayed 5 times with new inputs equal to the eager route. Timed (CUDA graphs, the
 bench's ``Timer``, CUDA events): route against off and on per T. Rows are MET / MISS
 lines (``tools.gpu.report.emit``) and ``--json``; exit 1 on a MISS, 3 when vLLM's kernel
@@ -32,7 +32,8 @@ import torch
 
 from kimi_passes.bench.harness import OP_TOL, Timer, rel_err, summary, verdict
 from kimi_passes.graphs import K3Config, K3Model
-from kimi_passes.vllm import k3_eager, k3_route
+from kimi_passes.vllm.k3.eager import capture_call
+from kimi_passes.vllm.k3.route import EagerRoute, serve_eager, unroute_attn_res, vllm_attn_res
 from tools.gpu.report import emit, skip
 
 MODES = ("off", "on", "route")
@@ -41,7 +42,7 @@ MODES = ("off", "on", "route")
 class Model:
     """One ``K3Model`` whose mixing and taps follow ``mode`` (off, on, route)."""
 
-    def __init__(self, args: argparse.Namespace, own, route: k3_route.EagerRoute):
+    def __init__(self, args: argparse.Namespace, own, route: EagerRoute):
         L, H = args.layers, args.hidden
         self.cfg = K3Config(num_layers=L, hidden_size=H, attn_res_block_size=args.block,
                             num_heads=max(1, H // 128), intermediate_size=max(128, H // 4),
@@ -52,7 +53,7 @@ class Model:
             self.k3 = K3Model(self.cfg, mixing=self.mix, tap=self.tap)
 
     def mix(self, *args):
-        return (k3_route.vllm_attn_res if self.mode == "route" else self.own)(*args)
+        return (vllm_attn_res if self.mode == "route" else self.own)(*args)
 
     def tap(self, k, prefix, pending, bank, norm_weight, qk_weight, num_blocks, eps):
         if self.mode == "route":
@@ -77,7 +78,7 @@ def capture_check(model: Model, ids, tol: float) -> float:
     refs: list[torch.Tensor] = []
 
     def spy(a, kw):  # vLLM's flag-on capture, computed from the consumer's own call
-        refs.append(model.own(*k3_eager.capture_call(a, kw)))
+        refs.append(model.own(*capture_call(a, kw)))
 
     with model.route.watch(spy):
         aux = model(ids.clone(), "route")
@@ -85,7 +86,7 @@ def capture_check(model: Model, ids, tol: float) -> float:
 
 
 def rows_for(args, own, source) -> list[dict]:
-    model = Model(args, own, k3_route.serve_eager(own))
+    model = Model(args, own, serve_eager(own))
     rows, tol = [], OP_TOL[model.cfg.dtype]
     for T in args.T:
         ids = token_ids(model, T, args.device)
@@ -156,7 +157,7 @@ def main(argv=None) -> int:
         with torch.inference_mode():
             rows = rows_for(args, peer.attn_res, peer.source)
     finally:
-        k3_route.unroute_attn_res()
+        unroute_attn_res()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -12,7 +12,7 @@ time per forward (the bench's ``Timer``: CUDA events; off CUDA, the compiled row
 - ``vllm on``: the same with the flag on (a second mixing call per capture);
 - ``vllm on, compiled``: that, compiled by plain Inductor (CUDA only: Dynamo traces
   vLLM's launch only where Triton compiles it);
-- ``kimi pass``: the route users get (``kimi_passes.vllm.k3_route``), flag off, compiled
+- ``kimi pass``: the route users get (``kimi_passes.vllm.k3.route``), flag off, compiled
   with ``kimi_backend`` (attn_res stream): one dynamic compile for every T.
   The compiled rows are judged against flag on compiled by plain Inductor (kimi ops).
 
@@ -77,7 +77,7 @@ class Forwards:
     def __call__(self, m, on: bool, T: int, kernel: str):
         import torch.fx.experimental._config as fx_config
 
-        import kimi_passes.vllm.k3_route as route
+        import kimi_passes.vllm.k3.route as route
 
         h = self.h
         with h.flag(on), fx_config.patch(  # type: ignore[attr-defined]

@@ -2,10 +2,10 @@
 
 Invariant: the arguments go through vLLM's own ``EngineArgs.create_engine_config``, for
 this machine's GPU or, without one, for ``--platform`` (default ``cuda``: vLLM's platform
-as that machine, ``target_platform``), on any machine (a CPU one included: the
+as that machine, ``platform``), on any machine (a CPU one included: the
 checkpoint's and the drafter's ``config.json``, no weights, no tokenizer), then through
-what a K3 process runs at model init: the stream (``k3_stream.resolve``), the plan
-(``k3_plan.serving_plan``), the drafter's capture ids and the pipeline-stage check. The
+what a K3 process runs at model init: the stream (``k3.stream.resolve``), the plan
+(``k3.plan.serving_plan``), the drafter's capture ids and the pipeline-stage check. The
 printout is that startup's; the exit status is 1 where startup would refuse, or where a
 source asks for a stream and no code of ours would run (``$VLLM_PLUGINS`` without
 ``kimi_passes``), 2 where vLLM rejects the arguments. What the plan cannot see is printed
@@ -22,11 +22,14 @@ import sys
 from importlib import metadata
 
 from kimi_passes.config.drafter import drafter_capture_ids
-from kimi_passes.vllm import k3_plan, k3_stream, k3_surface, target_platform, versions
+from kimi_passes.vllm import versions
+from kimi_passes.vllm.k3 import stream, surface
+from kimi_passes.vllm.k3.plan import serving_plan, startup_line
+from kimi_passes.vllm.vllm_plan import platform
 
 K3_ARCHITECTURES = ("KimiK3ForConditionalGeneration", "KimiLinearForCausalLM")
 #: vLLM's K3 model modules (the package, then each vendor's).
-K3_MODULES = ("vllm.models.kimi_k3", *k3_surface.MODEL_MODULES.values())
+K3_MODULES = ("vllm.models.kimi_k3", *surface.MODEL_MODULES.values())
 PLUGIN = "kimi_passes"
 UNSEEN = ("the GPU: vLLM resolved this config for {platform}; "
           "NVIDIA and ROCm differ only where README's table says; the server's own "
@@ -76,21 +79,21 @@ def plugin_status(environ) -> tuple[bool, str]:
         ", listed in $VLLM_PLUGINS)" if allowed is not None else ", $VLLM_PLUGINS unset)")
 
 
-def engine_config(argv: list[str], platform: str | None):
-    """vLLM's resolved ``VllmConfig`` for ``vllm serve argv``, for ``platform`` (``cuda``,
-    ``rocm``: ``target_platform.stand_in``; None: this machine's)."""
+def engine_config(argv: list[str], kind: str | None):
+    """vLLM's resolved ``VllmConfig`` for ``vllm serve argv``, for a ``kind`` machine
+    (``cuda``, ``rocm``: ``platform.stand_in``; None: this machine's)."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="kimi-passes vllm-plan"))
     args = EngineArgs.from_cli_args(parser.parse_args(serve_args(argv)))
-    if platform:
+    if kind:
         # vLLM inspects the model class while it resolves; imported under the stand-in,
         # K3's modules would reach for the absent GPU (CUDA's flash-attention extension,
         # ROCm's architecture query): imported here, on this machine's platform.
         for name in K3_MODULES:
             importlib.import_module(name)
-    with target_platform.stand_in(platform) if platform else contextlib.nullcontext():
+    with platform.stand_in(kind) if kind else contextlib.nullcontext():
         return args.create_engine_config()
 
 
@@ -106,8 +109,8 @@ def split_platform(argv: list[str]) -> tuple[str | None, list[str]]:
             kind = word.split("=", 1)[1]
         else:
             rest.append(word)
-    if kind is not None and kind not in target_platform.KINDS:
-        raise ValueError(f"--platform {kind!r}: pass one of {', '.join(target_platform.KINDS)}")
+    if kind is not None and kind not in platform.KINDS:
+        raise ValueError(f"--platform {kind!r}: pass one of {', '.join(platform.KINDS)}")
     return kind, rest
 
 
@@ -151,20 +154,20 @@ def drafter_rows(plan: Plan, config, choice, num_layers) -> None:
 def k3_rows(plan: Plan, config, environ) -> None:
     """The stream, the route and the drafter for a K3 ``config`` (resolved)."""
     try:
-        choice = k3_stream.resolve(environ, config)
-    except k3_stream.VllmRouteError as e:
+        choice = stream.resolve(environ, config)
+    except stream.VllmRouteError as e:
         plan.refusals.append(str(e))
         return
     plan.add("stream", f"{choice.stream}, from {choice.source}")
     try:
-        served = k3_plan.serving_plan(config, stream=choice,
+        served = serving_plan(config, stream=choice,
                                       sequence_parallel=sequence_parallel(config))
-    except k3_stream.VllmRouteError as e:
+    except stream.VllmRouteError as e:
         plan.refusals.append(str(e))
         served = None
     if served is not None:
         plan.add("route", f"{served.route}: {served.why}")
-        plan.add("startup line", k3_plan.startup_line(served))
+        plan.add("startup line", startup_line(served))
     num_layers = getattr(config.model_config.hf_text_config, "num_hidden_layers", None)
     drafter_rows(plan, config, choice, num_layers)
     loads, why = plugin_status(environ)
@@ -191,7 +194,7 @@ def run(argv: list[str], environ=os.environ) -> tuple[Plan, int]:
     from vllm.platforms import current_platform
 
     plan = Plan()
-    k3_stream.from_environment(environ)  # a bad value: the ValueError, as vLLM would stop
+    stream.from_environment(environ)  # a bad value: the ValueError, as vLLM would stop
     try:
         config = engine_config(argv, kind)
     except (Exception, SystemExit) as e:  # noqa: BLE001  (vLLM's own rejection, reported)
@@ -199,11 +202,11 @@ def run(argv: list[str], environ=os.environ) -> tuple[Plan, int]:
         plan.refusals.append("by vLLM itself (above), before any code of ours runs")
         return plan, 2
     why = "--platform" if here else "no GPU here"
-    platform = (f"a {kind.upper()} platform stand-in ({why})" if kind
-                else f"this machine ({type(current_platform).__name__})")
+    resolved_for = (f"a {kind.upper()} platform stand-in ({why})" if kind
+                    else f"this machine ({type(current_platform).__name__})")
     mode = config.compilation_config.mode
     arch = list(config.model_config.architectures or ())
-    plan.add("vLLM", f"{vllm.__version__}, resolved for {platform}")
+    plan.add("vLLM", f"{vllm.__version__}, resolved for {resolved_for}")
     plan.add("model", f"{config.model_config.model} ({', '.join(arch)})")
     plan.add("compilation", f"mode {getattr(mode, 'name', mode)}, backend "
                             f"{config.compilation_config.backend or 'inductor'}")
@@ -211,7 +214,7 @@ def run(argv: list[str], environ=os.environ) -> tuple[Plan, int]:
         plan.add("K3", "not a Kimi K3 model: the plugin builds nothing and wraps nothing")
         return plan, 0
     k3_rows(plan, config, environ)
-    plan.add("not seen", UNSEEN.format(platform=platform))
+    plan.add("not seen", UNSEEN.format(platform=resolved_for))
     return plan, 1 if plan.refusals else 0
 
 

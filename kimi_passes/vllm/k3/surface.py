@@ -1,4 +1,4 @@
-"""What the K3 route depends on in vLLM's K3, checked before it routes (``k3_route.activate``).
+"""What the K3 route depends on in vLLM's K3, checked before it routes (``route.activate``).
 
 Invariant: the route rebinds and wraps vLLM's K3 by name, so a vLLM whose K3 changed what
 the route relies on is refused at startup with a ``K3SurfaceError`` naming each change,
@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from kimi_passes.vllm import versions
-from kimi_passes.vllm.k3_eager import TURN_OFF
+from kimi_passes.vllm.k3.eager import TURN_OFF
 
 #: The K3 model module of each vendor, and the method vLLM's forward captures through.
 MODEL_MODULES = {"nvidia": "vllm.models.kimi_k3.nvidia.model",

@@ -4,7 +4,12 @@ Invariant: ``arm(names, then)`` puts one finder first on ``sys.meta_path``; it a
 only for ``names``, finds each with the finders behind it and, once the module has run,
 calls ``then(module)``. A module already imported gets ``then`` at once. Every other
 import is untouched, so a vLLM process that builds no K3 model never imports vLLM's K3
-code because of us (``k3_route.register``). ``disarm`` removes the finder.
+code because of us (``route.register``). ``disarm`` removes the finder.
+
+``kimi_passes/layout.py``'s finder (``OwnTreeFinder``) is another job: it only decides
+where our own modules (``kimi_passes``, ``.ops``, ``.graphs``) are found and runs nothing
+after an import, while this one answers only vLLM's K3 module names and exists to run a
+callback once they have executed; neither can stand in for the other.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """The attn_res stream in vLLM's eager K3: each capture read out of its consumer's call.
 
-vLLM (0.33.0, 0.34.0) runs K3 eagerly (breakable CUDA graphs force mode NONE). When the stream
-resolved at the model's init is attn_res (``k3_stream``), the plugin rebinds, class-level,
-the method vLLM's
-forward captures through (NVIDIA ``_capture_aux_hidden_stream``, ROCm
-``_maybe_add_hidden_state``); capture ``k``'s consumer is the call mixing with layer ``k``'s
-``self_attention_res_norm`` weight (the output aggregation's for ``k == L``).
+vLLM (0.33.0, 0.34.0) runs K3 eagerly (breakable CUDA graphs force mode NONE). When the
+stream resolved at the model's init is attn_res (``stream.resolve``), the route rebinds,
+class-level, the method vLLM's forward captures through (NVIDIA
+``_capture_aux_hidden_stream``, ROCm ``_maybe_add_hidden_state``) to the wrappers here;
+capture ``k``'s consumer is the call mixing with layer ``k``'s ``self_attention_res_norm``
+weight (the output aggregation's for ``k == L``).
 
 Before (vLLM, flag on; flag off returns ``prefix + pending`` instead)::
 
@@ -19,23 +19,22 @@ After::
 
 Invariants: in eager, only a capture's consumer runs a kimi op; every other AttnRes call
 is vLLM's own ``attn_res``. The decisions are Python, taken as the forward runs (a CUDA
-graph records them once; nothing syncs). Pending captures are per thread (``EagerRoute``);
-a forward ending with one unconsumed raises. Under Dynamo the captures are vLLM's own (the
-compiled route's pass rewrites them). docs/design.md section 11.
+graph records them once; nothing syncs). Pending captures are per thread (``Captures``);
+a forward ending with one unconsumed raises. Under Dynamo the captures are vLLM's own
+(``kimi_passes.vllm.compile_pass`` rewrites them). docs/design.md section 11.
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from kimi_passes.ops.attn_res_args import AttnResArgs
-from kimi_passes.vllm.k3_stream import StreamChoice
 
 #: How the route's errors end: what turns it off.
 TURN_OFF = ("serve without the attn_res stream (unset $KIMI_PASSES_AUX_STREAM and "
@@ -49,32 +48,25 @@ def written_for() -> str:
     return "vLLM " + " and ".join(versions.TESTED)
 
 
-class EagerRoute:
-    """The eager route's state in one process: the stream, this thread's pending captures,
-    vLLM's own ``attn_res`` by vendor, and every name the route replaced.
+class Captures(abc.ABC):
+    """The eager capture mechanics: this thread's pending captures, and who watches them.
 
-    Built by ``k3_route.register`` (or ``k3_route.serve_eager``, without vLLM); each K3
-    model it serves holds it as ``_kimi_passes_route``. Pending captures are per thread
-    (``threading.local``): a forward in one thread never sees, clears or fills another's.
+    A capture (``expect``) waits, keyed by its consumer's norm weight, until that consumer's
+    ``attn_res`` call ``claim``s it; ``begin_forward`` / ``end_forward`` bracket a forward,
+    which must leave none waiting. Pending captures are per thread (``threading.local``): a
+    forward in one thread never sees, clears or fills another's. Which stream is served is
+    the route's (``stream``: ``route.EagerRoute``, the one subclass, which also records
+    what the route replaced); the captures fuse only under attn_res, in eager.
     """
 
     def __init__(self) -> None:
-        #: The stream and its sources, resolved at the first K3 model init (None before).
-        self.choice: StreamChoice | None = None
-        #: vLLM's own ``attn_res`` by vendor: what a call that is no consumer runs.
-        self.own: dict[str, Callable[..., Any]] = {}
-        #: vLLM's ``attn_res`` of each module the route rebound, by module name.
-        self.originals: dict[str, Any] = {}
-        #: The class attributes the route replaced: ``(class, name) -> own value or None``.
-        self.class_originals: dict[tuple[type, str], Any] = {}
-        #: The import hook ``register`` armed (``k3_hook``), if any.
-        self.hook: Any = None
         self._watchers: list[Callable[[tuple, dict], None]] = []
         self._local = threading.local()
 
     @property
+    @abc.abstractmethod
     def stream(self) -> str | None:
-        return None if self.choice is None else self.choice.stream
+        """The stream served (None: not resolved yet)."""
 
     def fused(self) -> bool:
         """Whether this call runs the fused capture (eager, attn_res stream)."""
@@ -168,7 +160,7 @@ def crossing(capture_id: int, model) -> str:
             "non-final stage's end, or move the stage boundary (VLLM_PP_LAYER_PARTITION)")
 
 
-def check_capture_ids(route: EagerRoute, model) -> None:
+def check_capture_ids(route: Captures, model) -> None:
     """Refuse capture ids the route cannot serve on this stage (a stage-crossing id)."""
     if route.stream != "attn_res":
         return
@@ -194,7 +186,7 @@ def _check_compile_state(model) -> None:
             "eagerly")
 
 
-def nvidia_capture(route: EagerRoute, own):
+def nvidia_capture(route: Captures, own):
     """NVIDIA ``_capture_aux_hidden_stream``: fused in eager, ``own`` under Dynamo."""
 
     def _capture_aux_hidden_stream(self, layer_idx, prefix_sum, pending_mlp_out,
@@ -207,7 +199,7 @@ def nvidia_capture(route: EagerRoute, own):
     return _capture_aux_hidden_stream
 
 
-def amd_capture(route: EagerRoute, own):
+def amd_capture(route: Captures, own):
     """ROCm ``_maybe_add_hidden_state``: fused in eager, ``own`` under Dynamo.
 
     The first call (``start_layer``) is the embedding on the first stage (zero blocks mix
@@ -227,7 +219,7 @@ def amd_capture(route: EagerRoute, own):
     return _maybe_add_hidden_state
 
 
-def checked_forward(route: EagerRoute, own):
+def checked_forward(route: Captures, own):
     """``KimiLinearModel.forward``, then: every capture this thread made was consumed
     (traced by Dynamo, vLLM's own: the captures there are vLLM's)."""
 
@@ -242,7 +234,7 @@ def checked_forward(route: EagerRoute, own):
     return forward
 
 
-def checked_set_layers(route: EagerRoute, own):
+def checked_set_layers(route: Captures, own):
     """``_set_aux_hidden_state_layers``, then the ids checked (``check_capture_ids``)."""
 
     def _set_aux_hidden_state_layers(self, layers):

@@ -1,21 +1,20 @@
 """How vLLM will run Kimi K3, read at the model's init: served, or refused with the fix.
 
-Invariant: when the stream resolved for the process (``k3_stream``) is attn_res, every
-configuration vLLM (0.33.0, 0.34.0) accepts either gets a ``ServingPlan`` (logged once, kept on the
-model) or raises ``VllmRouteError`` from ``KimiLinearModel.__init__``, before the first
-request; none serves the running prefix. The plan reads vLLM's resolved ``VllmConfig``
-(after its breakable-CUDA-graph override):
+Invariant: when the stream resolved for the process (``stream.resolve``) is attn_res,
+every configuration vLLM (0.33.0, 0.34.0) accepts either gets a ``ServingPlan`` (logged
+once, kept on the model) or raises ``VllmRouteError`` from ``KimiLinearModel.__init__``,
+before the first request; none serves the running prefix. The plan reads vLLM's resolved
+``VllmConfig`` (after its breakable-CUDA-graph override):
 
 - mode NONE (K3's default on NVIDIA: breakable CUDA graphs), VLLM_COMPILE or
-  DYNAMO_TRACE_ONCE (no K3 class is ``@support_torch_compile``): eager, ``k3_eager``;
-- STOCK_TORCH_COMPILE with backend ``kimi``: compiled, the pass (its stream is
-  ``$KIMI_PASSES_AUX_STREAM``'s, so another source's stream there is refused); another
-  backend is refused, as is sequence parallelism there;
+  DYNAMO_TRACE_ONCE (no K3 class is ``@support_torch_compile``): eager (``eager``);
+- STOCK_TORCH_COMPILE with backend ``kimi``: compiled, the pass (``compile_pass``; its
+  stream is ``$KIMI_PASSES_AUX_STREAM``'s, so another source's stream there is refused);
+  another backend is refused, as is sequence parallelism there;
 - the specialized decode executor (``decode_backend=latency_specialized``): refused.
 
 Under ``prefix``, or with no source asking, every configuration is vLLM's own values and
-is only logged.
-docs/design.md section 11.
+is only logged. docs/design.md section 11.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ import logging
 
 from kimi_passes.config.stream import ENV_VAR, resolve_aux_stream
 from kimi_passes.vllm import versions
-from kimi_passes.vllm.k3_stream import StreamChoice, VllmRouteError
+from kimi_passes.vllm.k3.stream import StreamChoice, VllmRouteError
 
 #: The startup line's logger: under ``vllm``, the one tree vLLM's logging config prints
 #: (its handler is on ``vllm``, which does not propagate; ``kimi_passes.*`` INFO is dropped).
@@ -43,7 +42,7 @@ FULLGRAPH_NOTE = (
 
 @dataclasses.dataclass(frozen=True)
 class ServingPlan:
-    """How the stream is served: ``route`` ``eager`` (``k3_eager``) or ``compiled``."""
+    """How the stream is served: ``route`` ``eager`` (``eager``) or ``compiled``."""
 
     stream: str
     route: str

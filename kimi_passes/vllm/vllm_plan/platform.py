@@ -9,7 +9,7 @@ list's cache is cleared both ways. So a CPU machine resolves a ``vllm serve`` co
 the GPU server will (K3's breakable CUDA graphs, mode NONE), where vLLM's CPU platform
 would resolve its own (0.34.0 refuses an x86 CPU without triton-cpu). Nothing else of
 vLLM's is changed: kernels, workers and devices are never reached by a resolution.
-Used by ``vllm-plan`` (``plan_command``) and the tests.
+Used by ``vllm-plan`` (``command``) and the tests.
 """
 
 from __future__ import annotations
