@@ -386,19 +386,19 @@ def test_the_entry_points_name_live_objects():
 # --------------------------------------------------------------------------- the options
 
 
-def test_the_readme_options_table_is_the_records():
-    """Each option is documented once, on ``KimiPassConfig``; the README's table is that
-    documentation as generated, between its markers."""
+def test_the_readme_options_list_is_the_records():
+    """Each option is documented once, on ``KimiPassConfig``; the README's options list is
+    that documentation as generated, between its markers."""
     from kimi_passes.config import OPTIONS, KimiPassConfig
 
     text = (ROOT / "README.md").read_text()
     start = text.index("<!-- options:")
     body = text[text.index("\n", start) + 1:text.index("<!-- /options -->")].strip()
-    assert body == KimiPassConfig.options_table(), (
-        "README's options table differs from KimiPassConfig.options_table(): paste the "
+    assert body == KimiPassConfig.options_doc(), (
+        "README's options list differs from KimiPassConfig.options_doc(): paste the "
         "generated one")
-    rows = [line.split("|")[1].strip().strip("`") for line in body.splitlines()[2:]]
-    assert tuple(rows) == OPTIONS
+    names = [line[3:].split("`")[0] for line in body.splitlines() if line.startswith("- `")]
+    assert tuple(names) == OPTIONS
 
 
 # --------------------------------------------------------------------------- the house bounds
