@@ -18,6 +18,13 @@ So, when ``kimi_passes`` is imported:
   ``ModuleNotFoundError`` naming the folder, never another tree's copy (``guard``);
 - ``ops`` and ``graphs`` must then be found, else an ``ImportError`` says how to install
   (``check``).
+
+Why it is still needed though the README and CI install: the GPU check runs a copy of the
+checkout with no install at all (``tools/gpu_check.sh`` puts its root on ``PYTHONPATH``),
+and a second checkout (a git worktree) is routinely run with the first one installed
+editable. Why the vLLM plugin's import hook (``kimi_passes/vllm/k3/hook.py``) does not serve
+here: it answers only for vLLM's K3 model modules and runs a callback after they execute; it
+never says where a module of ours lives.
 """
 
 from __future__ import annotations

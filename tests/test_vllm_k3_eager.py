@@ -359,7 +359,8 @@ def readme_vllm_command() -> str:
 @pytest.mark.heavy
 def test_readme_vllm_command_through_vllms_engine_args(tmp_path):
     """The README's ``vllm serve`` command, parsed by vLLM's own ``EngineArgs`` and
-    resolved by ``create_engine_config`` (a K3 ``config.json`` for the checkpoint, no
+    resolved by ``create_engine_config`` (a K3 ``config.json`` for ``<K3-checkpoint>``,
+    graphs/configs/dflash_attn_res, which declares attn_res, for ``<drafter>``; no
     tokenizer here: ``--skip-tokenizer-init`` added), NVIDIA and ROCm platforms: served
     eagerly; the installed forward then returns the stream with no pure mixing call."""
     import vllm.plugins
@@ -370,9 +371,12 @@ def test_readme_vllm_command_through_vllms_engine_args(tmp_path):
     env = dict(w.split("=", 1) for w in words[:words.index("vllm")])
     assert env.get(ENV_VAR) == "attn_res", env
     args = words[words.index("serve") + 1:]
+    assert args[0] == "<K3-checkpoint>" and "--speculative-config" in args, args
     (tmp_path / "config.json").write_text(json.dumps(
         {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3"}))
-    args = ["--model", str(tmp_path), *args[1:], "--skip-tokenizer-init"]
+    drafter = str(ROOT / "graphs" / "configs" / "dflash_attn_res")
+    args = ["--model", str(tmp_path), *(a.replace("<drafter>", drafter) for a in args[1:]),
+            "--skip-tokenizer-init"]
     clean = {k: v for k, v in os.environ.items() if k != BREAKABLE}
     h.vllm_modules()  # imported on vLLM's CPU platform: the platform stand-in has no _C ops
     for rocm in (False, True):

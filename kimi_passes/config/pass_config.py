@@ -3,7 +3,7 @@
 The backend (``KimiBackend``), the pass manager (``kimi_passes.pass_manager``) and the vLLM
 pass (``kimi_passes.vllm.KimiVllmPass``) take this record; none of them spells an option
 again. Each option is documented here, on its field (``OPTIONS``); the README's options
-table is generated from it (``options_table``) and a test holds the two together.
+list is generated from it (``options_doc``) and a test holds the two together.
 ``key()`` is what every ``uuid()`` of a pass manager hashes: two records that compile
 differently never share a cache entry.
 
@@ -17,6 +17,7 @@ later (inside ``forward`` or a compile), except the drafter vLLM serves (``with_
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -132,14 +133,17 @@ class KimiPassConfig:
         return tuple(f.metadata["option"] or f.name for f in dataclasses.fields(cls))
 
     @classmethod
-    def options_table(cls) -> str:
-        """The options as a Markdown table (the README's, generated from the fields)."""
-        rows = ["| option | default | what it does |", "|---|---|---|"]
+    def options_doc(cls) -> str:
+        """The options as a Markdown list, wrapped to 92 columns (the README's, generated
+        from the fields): one item per option, its default, then what it does."""
+        items = []
         for f in dataclasses.fields(cls):
             default = f.metadata["shown"] or repr(f.default)
-            rows.append(f"| `{f.metadata['option'] or f.name}` | {default} | "
-                        f"{f.metadata['doc']} |")
-        return "\n".join(rows)
+            head = f"- `{f.metadata['option'] or f.name}` (default: {default}): "
+            items.append(textwrap.fill(head + f.metadata["doc"], width=92,
+                                       subsequent_indent="  ", break_on_hyphens=False,
+                                       break_long_words=False))
+        return "\n".join(items)
 
 
 #: The options users pass, in the record's order.
