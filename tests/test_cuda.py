@@ -13,6 +13,7 @@ from helpers.op import DTYPES, EPS, clone_args, mix_args, opcheck
 from helpers.op import make_args as _make_args
 
 import kimi_passes
+from kimi_passes.bench import rel_err
 from kimi_passes.ops import (
     attn_res_capture_triton,
     attn_res_mix_reference,
@@ -301,12 +302,6 @@ def _mix64(prefix, blocks, nw, qk, nb, eps):
     return (logits.softmax(-1)[..., None] * v).sum(1)
 
 
-def _rel_err(got, want):
-    scale = want.abs().max().item()
-    err = (got.double().cpu() - want.double().cpu()).abs().max().item()
-    return err / scale if scale else err
-
-
 def _check_mix_forward_backward(T, H, NB, nb, dtype, seed):
     """attn_res_mix on DEV (forward and autograd's backward: the kimi kernels) against the
     fp32 reference forward and autograd through the fp64 mixture on the CPU."""
@@ -326,7 +321,8 @@ def _check_mix_forward_backward(T, H, NB, nb, dtype, seed):
     for name, g_, w_ in zip(("prefix", "blocks", "norm_weight", "qk_weight"), got, want,
                             strict=True):
         assert g_.device.type == DEV and g_.dtype == dtype, name
-        assert _rel_err(g_, w_) < GRAD_TOL[dtype], (name, _rel_err(g_, w_))
+        err = rel_err(g_.cpu(), w_)
+        assert err < GRAD_TOL[dtype], (name, err)
     assert not got[1][:, nb:].any()  # slots the mixture does not read get zero
 
 

@@ -17,6 +17,7 @@ import expecttest
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.op import rnd
 from torch import nn
 
 from kimi_passes import aux_tap, make_kimi_backend
@@ -49,11 +50,6 @@ def fusion_pass(rec: GraphRecorder) -> AttnResFusionPass:
 
 def count(graph, target) -> int:
     return sum(1 for n in graph.nodes if n.op == "call_function" and n.target is target)
-
-
-def rnd(*shape, dtype=torch.float32, seed=0, scale=1.0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g) * scale).to(dtype)
 
 
 # --------------------------------------------------------------------------- the K3 model

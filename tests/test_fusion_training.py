@@ -21,9 +21,9 @@ import logging
 
 import pytest
 import torch
-from helpers.k3 import rel_err
 
 from kimi_passes import make_kimi_backend
+from kimi_passes.bench import rel_err
 from kimi_passes.debug.recording import GraphRecorder
 from kimi_passes.fusion import AttnResFusionPass
 from kimi_passes.graphs.k3 import K3Config, K3Model, attn_res_torch

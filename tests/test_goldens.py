@@ -29,6 +29,7 @@ from unittest import mock
 import expecttest
 import pytest
 import torch
+from helpers.k3 import ids
 from helpers.op import OP_TOL
 from torch._dynamo.exc import BackendCompilerFailed
 
@@ -117,10 +118,6 @@ def small(num_layers=3, block_size=2, taps=(0, 2, 3), dtype=torch.float32,
     return K3Config(num_layers=num_layers, hidden_size=16, attn_res_block_size=block_size,
                     num_heads=2, intermediate_size=32, vocab_size=64,
                     aux_layer_ids=taps, dtype=dtype, fp8_inputs=fp8_inputs)
-
-
-def ids(T: int = 5) -> torch.Tensor:
-    return torch.arange(T) * 7 % 64
 
 
 def counts(attn_res=0, capture=0, mix=0, tap=0, quant=0, quant_capture=0) -> dict[str, int]:

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.k3 import rel_err
 from helpers.op import DTYPES, OP_TOL, OPCHECK_UTILS
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from kimi_passes.bench import rel_err
 from kimi_passes.graphs.k3 import K3Config, K3Model
 from kimi_passes.ops import AttnResArgumentError, attn_res_reference, backward
 from kimi_passes.ops import triton_backward as tb

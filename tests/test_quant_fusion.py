@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.op import rnd
 
 from kimi_passes import make_kimi_backend
 from kimi_passes.debug.graph_text import kimi_op_counts
@@ -34,11 +35,6 @@ FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e4m3fnuz: 224.0}
 #: Inductor's CPU codegen rounds a bf16 store before a quant reads it under
 #: ``emulate_precision_casts`` (measured on torch 2.14.0; not on 2.11.0).
 INDUCTOR_EMULATES_CASTS = torch.torch_version.TorchVersion(torch.__version__) >= "2.14"
-
-
-def rnd(*shape, dtype=torch.bfloat16, seed=0, scale=1.0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g) * scale).to(dtype)
 
 
 def site_inputs(T=6, H=64, nb=3, dtype=torch.bfloat16, seed=0):
@@ -233,7 +229,7 @@ def traced_quant(fn, T=4, H=16):
     from torch.fx.experimental.proxy_tensor import make_fx
 
     return make_fx(fn, tracing_mode="fake", decomposition_table=select_decomp_table())(
-        rnd(T, H)).graph
+        rnd(T, H, dtype=torch.bfloat16)).graph
 
 
 def test_a_reciprocal_times_one_is_the_reciprocal():

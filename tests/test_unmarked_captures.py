@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.k3 import ids
 from helpers.op import OP_TOL
 from helpers.unmarked_programs import VllmLikeK3
 from torch._inductor import config as inductor_config
@@ -28,10 +29,6 @@ pytestmark = pytest.mark.usefixtures("caches_off", "aten_fallback")
 kimi = torch.ops.kimi
 MIXING = (kimi.attn_res.default, kimi.attn_res_capture.default, kimi.attn_res_mix.default)
 TAPS = (0, 1, 2, 3, 5)  # L=5, S=2: the embedding, inside a block, a block write, past it, L
-
-
-def ids(T=5):
-    return torch.randint(0, 64, (T,), generator=torch.Generator().manual_seed(1))
 
 
 def mixing_calls(graph) -> int:

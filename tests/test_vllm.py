@@ -371,7 +371,7 @@ def test_three_processes_share_one_vllm_cache_root(tmp_path):
     env.pop("VLLM_DISABLE_COMPILE_CACHE", None)
     streams = ("attn_res", "prefix", "attn_res")
     outs = [tmp_path / f"out{i}.json" for i in range(len(streams))]
-    one_after_another([[sys.executable, "-c", h.SERVE, stream, "adapter", str(out)]
+    one_after_another([[sys.executable, "-c", h.SERVE, stream, str(out)]
                        for stream, out in zip(streams, outs, strict=True)],
                       env, timeout=600, imports=VLLM_IMPORTS)
     results = [json.loads(out.read_text()) for out in outs]

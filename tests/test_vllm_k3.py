@@ -47,6 +47,7 @@ from helpers.vllm_harness import (  # noqa: E402
     new_vllm_config,
     start_route,
 )
+from helpers.vllm_truth import FlagOnTruth, assert_aux  # noqa: E402
 
 import kimi_passes  # noqa: E402
 import kimi_passes.graphs.vllm_k3 as h  # noqa: E402
@@ -80,37 +81,7 @@ def routed():
         route.unroute_attn_res()
 
 
-_truth: dict = {}
-
-
-def truth(dtype, T):
-    """The installed NVIDIA code's flag-on aux states (routed; see the kernel test).
-
-    fp32: eager. bf16: compiled by plain Inductor (one dynamic compile), as the K3 tap
-    tests do (docs/testing.md, "Tolerances"): Inductor rounds the stand-ins' bf16 math
-    differently from eager, and that drift, not the tap, would be measured.
-    """
-    if (dtype, T) not in _truth:
-        with h.flag(True), torch.fx.experimental._config.patch(backed_size_oblivious=True):
-            model = h.build(SPEC, h.weights(SPEC, dtype), CAPTURE)
-            if dtype != torch.float32:
-                torch._dynamo.reset()
-                model = torch.compile(model, backend="inductor", fullgraph=True)
-            for t in TS:
-                out = h.call(model, h.token_ids(SPEC, t), dynamic=dtype != torch.float32)
-                _truth[dtype, t] = h.aux_of(out)
-        if dtype != torch.float32:
-            torch._dynamo.reset()
-    return _truth[dtype, T]
-
-
-def assert_aux(got, want, dtype, what):
-    assert len(got) == len(want), f"{what}: {len(got)} aux states, want {len(want)}"
-    tol = OP_TOL[dtype]
-    for cid, g, w in zip(CAPTURE, got, want, strict=True):
-        torch.testing.assert_close(
-            g, w, atol=tol, rtol=tol,
-            msg=lambda m, cid=cid: f"{what}: capture {cid} is not vLLM's flag-on value: {m}")
+truth = FlagOnTruth(SPEC, CAPTURE, TS)  # the flag-on code (helpers/vllm_truth.py)
 
 
 class MixingCalls(PassObserver):

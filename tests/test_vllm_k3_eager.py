@@ -34,7 +34,6 @@ if importlib.util.find_spec("vllm") is None:  # test_vllm_required.py fails on C
                 allow_module_level=True)
 
 import torch  # noqa: E402
-from helpers.op import OP_TOL  # noqa: E402
 from helpers.vllm_harness import (  # noqa: E402
     BREAKABLE,
     K3,
@@ -42,6 +41,7 @@ from helpers.vllm_harness import (  # noqa: E402
     resolved_k3,
     start_route,
 )
+from helpers.vllm_truth import FlagOnTruth, assert_aux  # noqa: E402
 
 import kimi_passes.graphs.vllm_k3 as h  # noqa: E402
 import kimi_passes.vllm.k3.route as route  # noqa: E402
@@ -84,26 +84,8 @@ def served(T: int, stream: str | None = "attn_res", calls: h.Calls | None = None
             route.unroute_attn_res()
 
 
-_truth: dict = {}
-
-
-def truth(dtype, T, ids=CAPTURE):
-    """The installed NVIDIA code's flag-on eager aux states, vLLM's own kernel everywhere."""
-    key = (dtype, T, ids)
-    if key not in _truth:
-        with h.with_own_attn_res(*own_kernels(T)), h.flag(True):
-            model = h.build(SPEC, h.weights(SPEC, dtype), ids)
-            _truth[key] = h.aux_of(h.call(model, h.token_ids(SPEC, T)))
-    return _truth[key]
-
-
-def assert_aux(got, want, dtype, what):
-    assert len(got) == len(want), f"{what}: {len(got)} aux states, want {len(want)}"
-    tol = OP_TOL[dtype]
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert g.shape == w.shape, f"{what}: aux {i} has shape {tuple(g.shape)}"
-        torch.testing.assert_close(g, w, atol=tol, rtol=tol,
-                                   msg=lambda m, i=i: f"{what}: aux {i} is not the stream: {m}")
+#: The flag-on code, vLLM's own kernel everywhere (helpers/vllm_truth.py).
+truth = FlagOnTruth(SPEC, CAPTURE, TS, kernels=own_kernels)
 
 
 # ---------------------------------------------------------------- vLLM's config resolution

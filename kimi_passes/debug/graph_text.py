@@ -29,12 +29,8 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from kimi_passes.debug.graph_names import Symbols, op_name, source_name
-from kimi_passes.debug.kimi_view import (
-    KimiView,
-    functional_arguments,
-    functional_how,
-    functional_output,
-)
+from kimi_passes.debug.kimi_view import KimiView, functional_how, functional_output
+from kimi_passes.fx.functionalized import FunctionalCall
 from kimi_passes.fx.fx_toolkit import AUTO_FUNCTIONALIZED, kimi_op
 
 VIEWS = ("full", "skeleton", "kimi")
@@ -227,11 +223,11 @@ class _Printer:
     def _functional(self, node: Node) -> str:
         """auto_functionalized(_v2)(op, ...) as ``op(<schema args>) [functional, mutates ...]``."""
         parts = []
-        for name, value, view in functional_arguments(node):
-            text = self.fmt(value)
-            if view:
-                text += ".view(" + ", ".join(f"{k}={self.fmt(v)}" for k, v in view.items()) + ")"
-            parts.append(f"{name}={text}")
+        for a in FunctionalCall(node).arguments():
+            text = self.fmt(a.value)
+            if a.view:
+                text += ".view(" + ", ".join(f"{k}={self.fmt(v)}" for k, v in a.view.items()) + ")"
+            parts.append(f"{a.name}={text}")
         return f"{op_name(node.args[0])}({', '.join(parts)}) [{functional_how(node.args[0])}]"
 
     def line(self, node: Node) -> str:

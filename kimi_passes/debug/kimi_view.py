@@ -30,10 +30,10 @@ import operator
 from typing import Any, cast
 
 import torch
-from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
 from torch.fx import Graph, Node
 
 from kimi_passes.debug.graph_names import op_name
+from kimi_passes.fx.functionalized import FunctionalCall, mutated_args
 from kimi_passes.fx.fx_toolkit import AUTO_FUNCTIONALIZED, CASTS, kimi_op
 
 #: Ops that show the same values under another shape (printed ``view(...)``).
@@ -66,10 +66,9 @@ class KimiView:
         val = node.meta.get("val")
         if node.target in AUTO_FUNCTIONALIZED:
             parts = []
-            for name, value, view in functional_arguments(node):
-                text = self.describe(value)
-                viewed = any(view.get(k) is not None for k in ("size", "stride", "storage_offset"))
-                parts.append(f"{name}={f'view({text})' if viewed else text}")
+            for a in FunctionalCall(node).arguments():
+                text = self.describe(a.value)
+                parts.append(f"{a.name}={f'view({text})' if a.strided_view else text}")
             call = f"{op_name(op)}({', '.join(parts)}) [{functional_how(op)}]"
         else:
             args = [self.describe(a) for a in node.args]
@@ -164,55 +163,17 @@ def _packet_name(target) -> str:
     return op_name(target)
 
 
-# The view keywords auto_functionalized_v2 adds for a mutated argument that is a view.
-VIEW_KEYS = ("size", "stride", "storage_offset", "slice_dim", "slice_start", "slice_end")
-
-
-def _functional_call(node: Node) -> tuple[torch._ops.OpOverload, dict[str, Any]]:
-    """``auto_functionalized(op, **kwargs)``'s op and keyword arguments (``node.args[0]``,
-    ``node.kwargs``), typed as the call's schema gives them."""
-    return cast("torch._ops.OpOverload", node.args[0]), node.kwargs
-
-
-def functional_arguments(node: Node) -> list[tuple[str, object, dict]]:
-    """An auto_functionalized(_v2) call's schema arguments as (name, value, view): under v2
-    a mutated argument's value is its base and ``view`` the view keywords given for it."""
-    op, kwargs = _functional_call(node)
-    mutated = mutated_args(op)
-    out = []
-    for arg in op._schema.arguments:
-        name = arg.name
-        if name in mutated and node.target is auto_functionalized_v2:
-            base = kwargs["_all_bases"][kwargs[f"_{name}_base_index"]]
-            out.append((name, base, {k: kwargs[f"_{name}_{k}"] for k in VIEW_KEYS
-                                     if f"_{name}_{k}" in kwargs}))
-        elif name in kwargs:
-            out.append((name, kwargs[name], {}))
-    return out
-
-
 def functional_how(op) -> str:
     """``functional, mutates prefix, blocks``: the bracket both views print after the call."""
     mutated = mutated_args(op)
     return f"functional, mutates {', '.join(mutated)}" if mutated else "functional"
 
 
-def mutated_args(op) -> list[str]:
-    """The names of the arguments ``op`` writes."""
-    return [a.name for a in op._schema.arguments if a.alias_info is not None
-            and a.alias_info.is_write]
-
-
 def functional_output(node: Node, index: int) -> str:
-    """What ``getitem(node, index)`` of an auto_functionalized(_v2) node reads."""
-    op, kwargs = _functional_call(node)
-    n_ret = len(op._schema.returns)
-    if index < n_ret:
+    """What ``getitem(node, index)`` of an auto_functionalized(_v2) node reads: ``ret[i]``,
+    ``updated.<argument>`` (v2, one base viewed by several: ``updated.<a>/<b>``)."""
+    call = FunctionalCall(node)
+    if index < call.num_returns:
         return f"ret[{index}]"
-    mutated = mutated_args(op)
-    if node.target is auto_functionalized_v2:
-        by_base = {kwargs.get(f"_{m}_base_index"): m for m in mutated}
-        name = by_base.get(index - n_ret)
-    else:
-        name = mutated[index - n_ret] if index - n_ret < len(mutated) else None
-    return f"updated.{name}" if name is not None else f"out[{index}]"
+    names = call.updated(index)
+    return f"updated.{'/'.join(names)}" if names else f"out[{index}]"

@@ -8,6 +8,8 @@
   module it imports);
 - ``host_key``: the refusal to run under a host wrapper whose cache key is not the pass's;
 - ``fx_toolkit``: reading and editing post-grad FX graphs (casts, copies, sums, inserts);
+- ``functionalized``: ``FunctionalCall``, an ``auto_functionalized`` (v1) / ``_v2`` node's
+  arguments and outputs, decoded once for the passes, the debug views and the quant matcher;
 - ``match``: ``NoMatch`` and the constant readers the fusion and quant matchers share;
 - ``kimi_calls``: the kimi calls of a post-grad graph (``AttnResCall``: a functionalized
   ``attn_res`` call's arguments and outputs; the layer a node was traced in).

@@ -1,12 +1,12 @@
 """The kimi calls of a post-grad FX graph, as every pass reads them.
 
 In the functional post-grad graph a mutating ``kimi.attn_res`` call is an
-``auto_functionalized`` (v1) or ``auto_functionalized_v2`` node. ``AttnResCall``
-hides the difference: it names the call's prefix, delta, blocks, weights and
-int arguments, and where its outputs (the op's return, then the mutated bases)
-are read. ``layer_index`` names the decoder layer a node was traced in; ``on_cpu`` and
-``has_cpu_kimi_call`` tell where kimi calls run. The aux-stream rewrite, the fusion, the
-lowering and the backend read calls through this module only.
+``auto_functionalized`` (v1) or ``auto_functionalized_v2`` node. ``AttnResCall``, a
+``FunctionalCall`` (``functionalized.py`` decodes both spellings), names the call's prefix,
+delta, blocks, weights and int arguments, and where its outputs (the op's return, then the
+mutated bases) are read. ``layer_index`` names the decoder layer a node was traced in;
+``on_cpu`` and ``has_cpu_kimi_call`` tell where kimi calls run. The aux-stream rewrite, the
+fusion, the lowering and the backend read calls through this module only.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import cast
 
 import torch
-from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
 from torch.fx import Node
 
+from kimi_passes.fx.functionalized import FunctionalCall
 from kimi_passes.fx.fx_toolkit import (
     arg_int,
     arg_node,
@@ -27,7 +27,6 @@ from kimi_passes.fx.fx_toolkit import (
     getitem,
     kimi_op,
 )
-from kimi_passes.ops.conventions import MUTATED_ARGS
 
 kimi = torch.ops.kimi
 
@@ -55,42 +54,21 @@ def layer_index(node: Node) -> int | None:
 
 
 @dataclass
-class AttnResCall:
+class AttnResCall(FunctionalCall):
     """One functionalized ``kimi.attn_res`` / ``attn_res_capture`` call (or one of its
-    quantizing forms, ``ATTN_RES_QUANT_OPS``)."""
-
-    node: Node
-
-    @property
-    def op(self):
-        return self.node.args[0]
-
-    @property
-    def is_v2(self) -> bool:
-        return self.node.target is auto_functionalized_v2
-
-    def arg(self, name: str):
-        if name in MUTATED_ARGS:
-            return self.base(name)
-        return self.node.kwargs.get(name)
+    quantizing forms, ``ATTN_RES_QUANT_OPS``); its arguments and outputs as
+    ``FunctionalCall`` decodes them."""
 
     def base(self, name: str) -> Node:
-        """The value passed as mutated argument ``name`` (prefix or blocks)."""
-        if self.is_v2:
-            bases = cast(list, self.node.kwargs["_all_bases"])
-            return bases[cast(int, self.node.kwargs[f"_{name}_base_index"])]
-        return cast(Node, self.node.kwargs[name])
-
-    @property
-    def num_returns(self) -> int:
-        """The op's own outputs (before the mutated bases' new values)."""
-        return len(self.op._schema.returns)
+        """The value passed as mutated argument ``name`` (prefix or blocks; v2: its base)."""
+        return cast(Node, super().base(name))
 
     def output_index(self, name: str) -> int:
         """getitem index of a mutated base's new value."""
-        if self.is_v2:
-            return self.num_returns + cast(int, self.node.kwargs[f"_{name}_base_index"])
-        return self.num_returns + MUTATED_ARGS.index(name)
+        index = super().output_index(name)
+        if index is None:  # the schema's prefix and blocks are Tensors, never None
+            raise ValueError(f"{self.node.name}: no new value of {name!r} (None was passed)")
+        return index
 
     @property
     def layer(self) -> int | None:

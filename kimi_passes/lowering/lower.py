@@ -147,8 +147,7 @@ def _why_not(tensor: Node) -> str | None:
 
 
 def _mutated_view(call: AttnResCall) -> str | None:
-    view = [n for n in MUTATED if any(call.node.kwargs.get(f"_{n}_{k}") is not None
-                                      for k in ("size", "stride", "storage_offset"))]
+    view = [a.name for a in call.arguments() if a.strided_view]
     return f"mutates a view of another tensor ({', '.join(view)})" if view else None
 
 

@@ -28,12 +28,11 @@ from __future__ import annotations
 import dataclasses
 import operator
 from dataclasses import dataclass, field
-from typing import cast
 
 import torch
-from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
 from torch.fx import Graph, Node
 
+from kimi_passes.fx.functionalized import FunctionalCall
 from kimi_passes.fx.fx_toolkit import (
     AUTO_FUNCTIONALIZED,
     CASTS,
@@ -292,11 +291,8 @@ def _match_c_op(node: Node) -> QuantSite | None:
 def _c_outputs(node: Node) -> tuple[Node | None, Node | None, object]:
     """The getitems holding the op's new ``result`` and ``scale``, and its ``input``."""
     items = {u.args[1]: u for u in node.users if u.target is operator.getitem}
-    # v1 and v2 return the op's output (None: it returns nothing) then the mutated
-    # arguments' new values: v1 in schema order (result, scale), v2 in its bases' order.
-    if node.target is auto_functionalized_v2:
-        where = [1 + cast(int, node.kwargs.get(f"_{name}_base_index", -2))
-                 for name in ("result", "scale")]
-    else:
-        where = [1, 2]
-    return items.get(where[0]), items.get(where[1]), node.kwargs.get("input")
+    call = FunctionalCall(node)
+    if not {"result", "scale"} <= set(call.mutated):  # another schema: not this quant
+        return None, None, None
+    return (items.get(call.output_index("result")), items.get(call.output_index("scale")),
+            call.arg("input"))

@@ -18,8 +18,13 @@ def small_config(num_layers=4, block_size=2, taps=None, dtype=torch.float32, see
                     aux_layer_ids=taps, seed=seed, dtype=dtype)
 
 
+def ids(T: int = 5, seed: int = 1, vocab: int = 64) -> torch.Tensor:
+    """``T`` token ids, seeded (``vocab``: the small test models' vocabulary)."""
+    return torch.randint(0, vocab, (T,), generator=torch.Generator().manual_seed(seed))
+
+
 def token_ids(cfg: K3Config, T: int = 7, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(seed))
+    return ids(T, seed, cfg.vocab_size)
 
 
 def inference_model(cfg: K3Config, start: int = 0, end: int | None = None, **kw) -> K3Model:
@@ -50,13 +55,6 @@ def assert_taps_close(got, want, dtype, msg=""):
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         torch.testing.assert_close(g, w, atol=tol, rtol=tol,
                                    msg=lambda m, i=i: f"{msg} tap {i}: {m}")
-
-
-def rel_err(got, want):
-    """Max abs error over the max abs of ``want`` (the absolute error where ``want`` is 0)."""
-    err = (got.double() - want.double()).abs().max().item()
-    scale = want.double().abs().max().item()
-    return err / scale if scale else err
 
 
 def main_job_rows(out: str) -> dict[int, list[str]]:

@@ -1,4 +1,5 @@
-"""Shared helpers for the op tests: dtypes, the op tolerance, seeded arguments, opcheck.
+"""Shared helpers for the op tests: dtypes, the op tolerance, seeded tensors and arguments,
+opcheck.
 
 Fixtures live in conftest.py; this module holds plain values and functions.
 """
@@ -17,6 +18,13 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 EPS = 1e-6
 ONORM_EPS = 1e-5
+
+
+def rnd(*shape, dtype=torch.float32, seed=0, scale=1.0) -> torch.Tensor:
+    """A normal tensor of ``shape`` times ``scale`` in ``dtype``, from its own generator
+    seeded with ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype)
 
 
 def make_args(T, H, NB, nb, write, dtype, *, delta, onorm, seed=0, scale=1.0, qk_scale=2.0,

@@ -175,15 +175,14 @@ def counter():
     return compilation_counter
 
 
-def callable_route_module(stream: str, unguarded: bool = False) -> str:
+def callable_route_module(stream: str) -> str:
     """A top-level module holding a plain ``AuxStreamPass``, for the string route.
 
     One name, ``aux_pass``, whose stream comes from ``$KIMI_PASSES_AUX_STREAM`` (set to
     ``stream`` while the pass is built, then restored: the stream is resolved then, and a
     variable left set would steer every later compile in the process): the way a
-    deployment A/Bs streams without touching its config.
-    vLLM wraps it in ``CallableInductorPass``. ``unguarded`` switches kimi_passes'
-    refusal of that wrapper off in this process, to measure what the refusal prevents.
+    deployment A/Bs streams without touching its config. vLLM wraps it in
+    ``CallableInductorPass``.
     """
     import types
 
@@ -195,9 +194,6 @@ def callable_route_module(stream: str, unguarded: bool = False) -> str:
     with mock.patch.dict(os.environ, {ENV_VAR: stream}):
         module.aux_pass = AuxStreamPass(resolve_aux_stream())
     sys.modules[name] = module
-    if unguarded:
-        import kimi_passes.taps.aux_stream
-        kimi_passes.taps.aux_stream.check_host_key = lambda pass_: None
     return f"{name}.aux_pass"
 
 
@@ -354,42 +350,27 @@ SERVE = "import sys; from helpers.vllm_harness import main; sys.exit(main())"
 
 
 def main(argv=None) -> int:
-    """One serving process: ``python -c SERVE STREAM ROUTE OUT.json`` with tests/ on
+    """One serving process: ``python -c SERVE STREAM OUT.json`` with tests/ on
     ``PYTHONPATH`` (or ``python -m helpers.vllm_harness ...`` run from tests/).
 
-    ``ROUTE``: ``adapter`` (``kimi_passes.vllm.compile_config_entries``), ``named``
-    (``inductor_passes`` naming ``kimi_passes.vllm.<stream>_stream_pass``), ``callable``
-    (``inductor_passes`` naming a plain ``AuxStreamPass``, which vLLM wraps in
-    ``CallableInductorPass``) or ``callable_unguarded`` (the same with kimi_passes'
-    refusal of that wrapper switched off: what the refusal prevents). vLLM's compile
-    cache is on, rooted at ``$VLLM_CACHE_ROOT``. Writes the taps' errors, any error and
-    the cache counters to ``OUT.json``.
+    The kimi pass reaches vLLM through ``kimi_passes.vllm.compile_config_entries``.
+    vLLM's compile cache is on, rooted at ``$VLLM_CACHE_ROOT``. Writes the taps' errors,
+    any error and the cache counters to ``OUT.json``.
 
     The pieces are lowered with Inductor's ``fallback_by_default`` (ATen calls, no C++
     build): what a process is served from the cache is the question, not codegen.
     """
-    args = argv or sys.argv[1:]
-    stream, route, out = args[:3]
+    from kimi_passes.vllm import compile_config_entries
+
+    stream, out = (argv or sys.argv[1:])[:2]
     cfg = K3Config.tiny()
     fast = {"fallback_by_default": True}
-    if route == "adapter":
-        from kimi_passes.vllm import compile_config_entries
-        config = vllm_config(inductor_compile_config={**compile_config_entries(stream), **fast})
-    elif route == "named":
-        import kimi_passes.vllm  # noqa: F401
-        config = vllm_config(inductor_compile_config=fast, inductor_passes={
-            "post_grad_custom_post_pass": f"kimi_passes.vllm.{stream}_stream_pass"})
-    elif route in ("callable", "callable_unguarded"):
-        qualname = callable_route_module(stream, unguarded=route == "callable_unguarded")
-        config = vllm_config(inductor_compile_config=fast,
-                             inductor_passes={"post_grad_custom_post_pass": qualname})
-    else:
-        raise SystemExit(f"unknown route {route!r}")
+    config = vllm_config(inductor_compile_config={**compile_config_entries(stream), **fast})
     model = compile_k3(cfg, config)
     c = counter()
     before = c.clone()
     ids = token_ids(cfg, 9)
-    result = {"stream": stream, "route": route}
+    result: dict = {"stream": stream}
     try:
         _, taps = run(model, config, ids)
     except Exception as e:  # reported to the parent test, which decides
