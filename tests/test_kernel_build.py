@@ -242,6 +242,7 @@ def test_amd_gfx942_builds_have_no_scratch_and_fit_a_workgroup(compiled_run):
 
 
 @pytest.mark.vllm
+@pytest.mark.vllm_kernel_file
 def test_vllm_amd_k3_kernel_builds_beside_ours_for_gfx942(compiled_run):
     """The peer: vLLM 0.33.0's AMD K3 kernel, read from the installed vLLM and built for
     gfx942 as its launch does at K3's width (bf16, H = 7168), decode (T < 256) and prefill.

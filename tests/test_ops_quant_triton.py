@@ -169,6 +169,7 @@ VLLM_CASES = [
 
 
 @pytest.mark.vllm
+@pytest.mark.vllm_kernel_file
 @pytest.mark.usefixtures("gpu_rounding")
 @pytest.mark.parametrize("case", VLLM_CASES, ids=str)
 def test_vllm_amd_kernel_agrees_with_the_op(vllm_amd, case):
@@ -190,6 +191,7 @@ def random_cases(n: int, seed: int = 20261204):
 
 
 @pytest.mark.vllm
+@pytest.mark.vllm_kernel_file
 @pytest.mark.heavy
 @pytest.mark.skipif(not LONG, reason="long profile: KIMI_PASSES_LONG_QUANT=1")
 @pytest.mark.usefixtures("gpu_rounding")

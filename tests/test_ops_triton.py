@@ -424,6 +424,7 @@ PEER_GRID = [(torch.float32, 3, 2, True, True), (torch.bfloat16, 3, -1, True, Tr
              (torch.float32, 3, -1, False, False)]
 
 
+@pytest.mark.vllm_kernel_file
 @pytest.mark.parametrize("dtype,num_blocks,write_idx,with_delta,with_norm", PEER_GRID,
                          ids=[f"{_dt(c[0])}-nb{c[1]}-w{c[2]}-d{int(c[3])}-n{int(c[4])}"
                               for c in PEER_GRID])
