@@ -4,7 +4,7 @@ vLLM calls ``route.register`` (the ``vllm.general_plugins`` entry point ``kimi_p
 in every process. The modules, in the order a K3 process meets them:
 
 1. ``route.register``: our variable and vLLM's flag checked (a bad value raises), the
-   process's route built (``route.EagerRoute``, by ``route.process_route`` alone), the
+   process's route built (``route.EagerRoute``, by ``route._process_route`` alone), the
    import hook armed; nothing else;
 2. ``hook``: when vLLM imports one of its K3 model modules, the route wraps that module's
    ``KimiLinearModel.__init__`` (``route.checked_init``); no other import is touched;
