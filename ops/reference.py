@@ -71,7 +71,8 @@ def op_args(T: int, H: int, nb: int, *, dtype=torch.float32, device="cpu",
 def rel_err(got, want) -> float:
     """Max abs error of ``got`` against ``want`` over the max abs of ``want`` (the absolute
     error where ``want`` is all zeros), in float64: the formula the tests' tolerances are
-    stated in (tests/helpers/k3.py). Two Nones (an unused gradient) are 0."""
+    stated in, and the one the tests and benches compute. Two Nones (an unused gradient)
+    are 0."""
     if got is None or want is None:
         if (got is None) != (want is None):
             raise ValueError("rel_err: a tensor is None on one side only (a gradient one "

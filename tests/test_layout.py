@@ -30,6 +30,7 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
+from helpers.readme import bash_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Import name -> folder: the package-dir mapping of pyproject.toml.
@@ -506,23 +507,12 @@ FIRST_SCREEN_COMMANDS = {
 }
 
 
-def bash_block_lines(text: str) -> list[str]:
-    """The lines inside ```bash blocks of ``text``."""
-    lines, inside = [], False
-    for line in text.splitlines():
-        if line.strip().startswith("```"):
-            inside = not inside and line.strip() == "```bash"
-        elif inside:
-            lines.append(line.strip())
-    return lines
-
-
 def test_the_readme_first_screen_shows_the_three_commands():
     """Within the README's first ``README_FIRST_SCREEN`` lines, in ```bash blocks: the
     set-up with the main job, the tests, and a K3 user's ``vllm serve`` with the drafter's
     ``--speculative-config``."""
     first = "\n".join((ROOT / "README.md").read_text().splitlines()[:README_FIRST_SCREEN])
-    lines = bash_block_lines(first)
+    lines = bash_lines(first)
     missing = [name for name, pattern in FIRST_SCREEN_COMMANDS.items()
                if not any(re.search(pattern, line) for line in lines)]
     assert not missing, (f"README: no command for {missing} in a ```bash block of its first "
@@ -533,7 +523,7 @@ def test_the_first_screen_check_sees_a_missing_command():
     """The checker itself: a command in prose, not a bash block, does not count."""
     text = ("```bash\n.venv/bin/python -m pytest -q\n```\n"
             "run `vllm serve m --speculative-config x`\n")
-    lines = bash_block_lines(text)
+    lines = bash_lines(text)
     assert lines == [".venv/bin/python -m pytest -q"]
     assert not any(re.search(FIRST_SCREEN_COMMANDS["a K3 user's `vllm serve` with its drafter"],
                              line) for line in lines)

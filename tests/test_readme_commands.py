@@ -31,6 +31,7 @@ from unittest import mock
 
 import pytest
 from helpers.k3 import TINY_BENCH, main_job_rows
+from helpers.readme import bash_lines
 
 from kimi_passes.__main__ import main
 
@@ -38,21 +39,6 @@ ROOT = Path(__file__).resolve().parent.parent
 PYTHON = ".venv/bin/python"
 #: What the rules skip: the set-up lines and vLLM's own command.
 SKIPPED = (re.compile(r"^python3 -m venv "), re.compile(r"\bvllm serve\b"))
-
-
-def bash_lines(text: str) -> list[str]:
-    """The lines of every ```bash block, comments and blank lines dropped."""
-    lines, inside = [], False
-    for line in text.splitlines():
-        fence = line.strip()
-        if fence.startswith("```"):
-            inside = not inside and fence == "```bash"
-            continue
-        if inside:
-            command = line.split(" #", 1)[0].strip()  # a trailing comment
-            if command and not command.startswith("#"):
-                lines.append(command)
-    return lines
 
 
 def parse(line: str) -> tuple[dict[str, str], list[str]]:

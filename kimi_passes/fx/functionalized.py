@@ -24,6 +24,7 @@ refused by name: no op the passes read has one.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -40,8 +41,10 @@ VIEW_KEYS = ("alias", "slice_dim", "slice_start", "slice_end", "size", "stride",
 STRIDED_KEYS = ("size", "stride", "storage_offset")
 
 
+@functools.cache
 def mutated_args(op: torch._ops.OpOverload) -> tuple[str, ...]:
-    """The names of the arguments ``op`` writes, in schema order."""
+    """The names of the arguments ``op`` writes, in schema order (read once per op: every
+    ``arg``, ``output_index`` and ``updated`` of every call asks)."""
     return tuple(a.name for a in op._schema.arguments
                  if a.alias_info is not None and a.alias_info.is_write)
 

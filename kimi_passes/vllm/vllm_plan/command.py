@@ -161,7 +161,7 @@ def k3_rows(plan: Plan, config, environ) -> None:
     plan.add("stream", f"{choice.stream}, from {choice.source}")
     try:
         served = serving_plan(config, stream=choice,
-                                      sequence_parallel=sequence_parallel(config))
+                              sequence_parallel=sequence_parallel(config))
     except stream.VllmRouteError as e:
         plan.refusals.append(str(e))
         served = None
