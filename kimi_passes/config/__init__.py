@@ -1,6 +1,9 @@
 """What a compile is asked to do, resolved before any graph is seen (no torch, no passes).
 
-- ``stream``: which aux stream a compile serves (argument, environment, drafter config);
+- ``checkpoint``: a drafter checkpoint's config.json, read where it ships, and the aux stream
+  it declares;
+- ``stream``: which aux stream is served, one rule for every route (argument, variables,
+  the drafter's declaration, the A/B switch);
 - ``drafter``: which capture ids a drafter config declares, in every shipped spelling;
 - ``pass_config``: ``KimiPassConfig``, every option of the kimi passes as one frozen record.
 """

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kimi_passes.config.stream import load_draft_config
+from kimi_passes.config.checkpoint import load_draft_config
 
 AS_IS = "capture ids, used as they are"
 PLUS_ONE = "layer ids, capture id = layer id + 1"
