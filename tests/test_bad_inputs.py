@@ -31,6 +31,7 @@ from torch._dynamo.exc import BackendCompilerFailed, TorchRuntimeError
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from kimi_passes import AuxCaptureError, AuxStreamPass, aux_tap, make_kimi_backend
+from kimi_passes.config.checkpoint import CheckpointError
 from kimi_passes.graphs.k3 import K3Config, K3Model
 from kimi_passes.ops import AttnResArgumentError
 
@@ -449,33 +450,34 @@ STREAM_CASES = [
          + STREAM.format("'bogus'", r"\$KIMI_PASSES_AUX_STREAM"), inner=ValueError),
     Case("drafter asks an unknown stream",
          lambda ctx: make_kimi_backend(draft_config={"aux_hidden_stream": "post_norm"}),
-         ValueError, STREAM.format("'post_norm'", "the drafter config's 'aux_hidden_stream'")),
+         ValueError,
+         STREAM.format("'post_norm'", r"the drafter config \(a dict\): aux_hidden_stream")),
     Case("drafter stream is null",
          lambda ctx: make_kimi_backend(draft_config={"aux_hidden_stream": None}),
-         ValueError, STREAM.format("None", "the drafter config's 'aux_hidden_stream'")),
+         ValueError, STREAM.format("None", r"the drafter config \(a dict\): aux_hidden_stream")),
     Case("drafter file asks an unknown stream",
          _backend_with_draft(json.dumps({"aux_hidden_stream": "post_norm"})), ValueError,
-         STREAM.format("'post_norm'", "the drafter config's 'aux_hidden_stream'")),
+         STREAM.format("'post_norm'", r"the drafter config .*config\.json: aux_hidden_stream")),
     Case("drafter config: invalid JSON", _backend_with_draft('{"aux_hidden_stream": '),
-         ValueError, r"drafter config .*config\.json is not valid JSON \(Expecting value at "
+         CheckpointError, r"drafter config .*config\.json is not valid JSON \(Expecting value at "
          r"line 1\); fix the file or pass aux_stream explicitly"),
-    Case("drafter config: a JSON list", _backend_with_draft('["attn_res"]'), ValueError,
+    Case("drafter config: a JSON list", _backend_with_draft('["attn_res"]'), CheckpointError,
          r"drafter config .*config\.json must hold a JSON object, got list"),
-    Case("drafter config: a JSON string", _backend_with_draft('"attn_res"'), ValueError,
+    Case("drafter config: a JSON string", _backend_with_draft('"attn_res"'), CheckpointError,
          r"must hold a JSON object, got str"),
-    Case("drafter config: missing file", _backend_with_draft(None), ValueError,
+    Case("drafter config: missing file", _backend_with_draft(None), CheckpointError,
          r"kimi_passes: drafter config .*drafter/config\.json does not exist"),
     Case("drafter config: folder without config.json",
          lambda ctx: make_kimi_backend(draft_config=_draft_file(None)(ctx).parent),
-         ValueError, r"drafter config .*drafter/config\.json does not exist"),
+         CheckpointError, r"drafter config .*drafter/config\.json does not exist"),
     Case("drafter config: malformed even when aux_stream overrides it",
-         _backend_with_draft("not json", aux_stream="prefix"), ValueError,
+         _backend_with_draft("not json", aux_stream="prefix"), CheckpointError,
          r"is not valid JSON"),
     Case("drafter config: missing file in torch.compile options",
          _compile_by_name({"draft_config": "/nonexistent/drafter/config.json"}),
          BackendCompilerFailed,
-         r"backend='kimi' raised:\nValueError: kimi_passes: drafter config "
-         r"/nonexistent/drafter/config\.json does not exist", inner=ValueError),
+         r"backend='kimi' raised:\nCheckpointError: kimi_passes: drafter config "
+         r"/nonexistent/drafter/config\.json does not exist", inner=CheckpointError),
     # The reference model refuses capture ids outside [0, L] and duplicates up front.
     Case("K3Config: capture id above L", lambda ctx: k3(4, 2, (0, 5)), ValueError,
          r"aux_layer_ids \(0, 5\) must be distinct capture ids in \[0, 4\]"),

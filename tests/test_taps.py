@@ -28,6 +28,7 @@ from torch._inductor import config as inductor_config
 from torch._inductor.utils import run_and_get_code
 
 from kimi_passes import AuxCaptureError, AuxStreamPass, kimi_backend, make_kimi_backend
+from kimi_passes.config.stream import StreamConflict
 
 GEOMETRIES = [(1, 1), (2, 1), (2, 2), (3, 2), (5, 1), (5, 2), (5, 3), (5, 4), (8, 1), (8, 2),
               (8, 3), (8, 4)]
@@ -252,8 +253,12 @@ def test_backend_by_name_with_options():
         assert_taps_close(got, want, torch.float32, str(options))
 
 
-def test_stream_resolution_order(monkeypatch, tmp_path):
+def test_stream_resolution_order(monkeypatch, tmp_path, caplog):
+    """The argument wins; the variable and the drafter's declaration must agree, unless
+    the A/B switch asks for the variable's stream, warned; else the declaration; else
+    attn_res."""
     monkeypatch.delenv("KIMI_PASSES_AUX_STREAM", raising=False)
+    monkeypatch.delenv("KIMI_PASSES_AUX_STREAM_AB", raising=False)
     draft = tmp_path / "config.json"
     draft.write_text(json.dumps({"aux_hidden_stream": "prefix"}))
     assert make_kimi_backend().aux_stream == "attn_res"
@@ -262,8 +267,28 @@ def test_stream_resolution_order(monkeypatch, tmp_path):
     assert make_kimi_backend(draft_config={"aux_hidden_stream": "attn_res"}).aux_stream == (
         "attn_res")
     monkeypatch.setenv("KIMI_PASSES_AUX_STREAM", "attn_res")
-    assert make_kimi_backend(draft_config=str(draft)).aux_stream == "attn_res"
+    assert make_kimi_backend().aux_stream == "attn_res"
+    assert make_kimi_backend(draft_config={"aux_hidden_stream": "attn_res"}).aux_stream == (
+        "attn_res")
+    with pytest.raises(StreamConflict, match=(
+            r"\$KIMI_PASSES_AUX_STREAM=attn_res asks for 'attn_res', the drafter config "
+            r".*config\.json: aux_hidden_stream = 'prefix' asks for 'prefix'.*"
+            r"set \$KIMI_PASSES_AUX_STREAM_AB=1")):
+        make_kimi_backend(draft_config=str(draft))
     assert make_kimi_backend("prefix", draft_config=str(draft)).aux_stream == "prefix"
+    assert make_kimi_backend("attn_res", draft_config=str(draft)).aux_stream == "attn_res"
+    assert not caplog.records  # the argument wins unwarned
+    monkeypatch.setenv("KIMI_PASSES_AUX_STREAM_AB", "1")
+    with caplog.at_level(logging.WARNING, logger="kimi_passes.config.stream"):
+        assert make_kimi_backend(draft_config=str(draft)).aux_stream == "attn_res"
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert warning.startswith("kimi_passes: A/B run ($KIMI_PASSES_AUX_STREAM_AB=1): serving "
+                              "the attn_res stream ($KIMI_PASSES_AUX_STREAM=attn_res)"), warning
+    assert f"declares 'prefix' (the drafter config {draft}: aux_hidden_stream" in warning
+    monkeypatch.setenv("KIMI_PASSES_AUX_STREAM_AB", "yes")
+    with pytest.raises(ValueError, match=r"KIMI_PASSES_AUX_STREAM_AB='yes': set it to 1"):
+        make_kimi_backend()
+    monkeypatch.delenv("KIMI_PASSES_AUX_STREAM_AB")
     monkeypatch.setenv("KIMI_PASSES_AUX_STREAM", "post_norm")
     with pytest.raises(ValueError, match=r"unknown aux stream 'post_norm' from \$KIMI_PASSES"):
         make_kimi_backend()

@@ -40,6 +40,7 @@ from helpers.op import OP_TOL  # noqa: E402
 from helpers.process import INDUCTOR_SETUP, one_after_another  # noqa: E402
 
 from kimi_passes import AuxCaptureError  # noqa: E402
+from kimi_passes.config.stream import StreamConflict  # noqa: E402
 from kimi_passes.graphs.k3 import K3Config  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -283,13 +284,17 @@ def test_adapter_stream_resolution(monkeypatch, tmp_path):
     from kimi_passes.vllm import make_vllm_pass
 
     monkeypatch.delenv("KIMI_PASSES_AUX_STREAM", raising=False)
+    monkeypatch.delenv("KIMI_PASSES_AUX_STREAM_AB", raising=False)
     draft = tmp_path / "config.json"
     draft.write_text(json.dumps({"aux_hidden_stream": "prefix"}))
     assert make_vllm_pass().aux_stream == "attn_res"
     assert make_vllm_pass(draft_config=str(draft)).aux_stream == "prefix"
     monkeypatch.setenv("KIMI_PASSES_AUX_STREAM", "attn_res")
-    assert make_vllm_pass(draft_config=str(draft)).aux_stream == "attn_res"
+    with pytest.raises(StreamConflict, match=r"set \$KIMI_PASSES_AUX_STREAM_AB=1"):
+        make_vllm_pass(draft_config=str(draft))
     assert make_vllm_pass("prefix").aux_stream == "prefix"
+    monkeypatch.setenv("KIMI_PASSES_AUX_STREAM_AB", "1")
+    assert make_vllm_pass(draft_config=str(draft)).aux_stream == "attn_res"
     monkeypatch.setenv("KIMI_PASSES_AUX_STREAM", "post_norm")
     with pytest.raises(ValueError, match="unknown aux stream 'post_norm'"):
         make_vllm_pass()

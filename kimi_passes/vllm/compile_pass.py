@@ -19,6 +19,7 @@ This module imports vLLM; ``import kimi_passes`` never imports it.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 try:
@@ -36,11 +37,15 @@ from vllm.config import get_current_vllm_config_or_none
 
 from kimi_passes.config.drafter import DrafterTaps, drafter_capture_ids
 from kimi_passes.config.pass_config import KimiPassConfig
+from kimi_passes.config.stream import check_fixed
 from kimi_passes.errors import AuxCaptureError
 from kimi_passes.fx.manager import KimiPassManager
 from kimi_passes.pipeline import pass_manager
 from kimi_passes.taps.aux_stream import AuxStreamPass
 from kimi_passes.vllm import versions
+from kimi_passes.vllm.k3 import stream as k3_stream
+
+log = logging.getLogger("vllm.kimi_passes")
 
 #: The key vLLM reads the user's post-grad pass from.
 PASS_KEY = "post_grad_custom_post_pass"
@@ -77,6 +82,7 @@ class KimiVllmPass(InductorPass):
         drafter = served_drafter()
         if drafter != getattr(self.manager.config, "drafter", None):
             self.manager = pass_manager(self.config.with_drafter(drafter))
+        _check_declaration(self.aux_stream)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         self._sync_drafter()
@@ -124,6 +130,20 @@ def served_drafter() -> DrafterTaps | None:
     return drafter_capture_ids(
         draft.hf_config, num_layers if isinstance(num_layers, int) else None,
         source=f"vLLM serves ({method}: speculative_config.draft_model_config.hf_config)")
+
+
+def _check_declaration(stream: str) -> None:
+    """The served drafter's declared stream (read from its checkpoint, as the K3 route
+    reads it) against ``stream``: refused unless an A/B run, which is warned once."""
+    config = get_current_vllm_config_or_none()
+    spec = getattr(config, "speculative_config", None)
+    warning = check_fixed(stream, "this KimiVllmPass", k3_stream.drafter(spec))
+    if warning and warning not in _WARNED:
+        _WARNED.add(warning)
+        log.warning("%s", warning)
+
+
+_WARNED: set[str] = set()
 
 
 def _splitting_ops() -> tuple[str, ...] | None:

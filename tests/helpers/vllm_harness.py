@@ -34,6 +34,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 import json  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 import types  # noqa: E402
 from pathlib import Path  # noqa: E402
 from unittest import mock  # noqa: E402
@@ -316,7 +317,11 @@ def speculative_config(method: str, hf_config, speculator_class: str | None = No
     from vllm.config import SpeculativeConfig
 
     spec = object.__new__(SpeculativeConfig)
-    draft = types.SimpleNamespace(hf_config=hf_config, model=f"stand-in {method} drafter",
+    # The drafter's checkpoint folder: its config.json, which the route reads the
+    # drafter's declared stream from, as it ships.
+    folder = Path(tempfile.mkdtemp(prefix=f"{method}-drafter-"))
+    (folder / "config.json").write_text(json.dumps(hf_config.to_dict()))
+    draft = types.SimpleNamespace(hf_config=hf_config, model=str(folder), revision=None,
                                   speculator_config_class=speculator_class)
     key = f"{method} {hf_config.to_dict()}"
     for name, value in {"method": method, "custom_method": None, "draft_model_config": draft,

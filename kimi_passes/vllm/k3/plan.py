@@ -131,6 +131,9 @@ def startup(model, vllm_config, stream: str | StreamChoice) -> ServingPlan:
     plan = serving_plan(vllm_config, stream=choice,
                         sequence_parallel=bool(getattr(model, "use_sequence_parallel", False)))
     model._kimi_passes_plan = plan
+    warning = choice.override_warning()
+    if warning:
+        log.warning("%s", warning)
     log.log(logging.WARNING if plan.route == COMPILED and plan.stream == "attn_res"
             else logging.INFO, "%s", startup_line(plan))
     return plan

@@ -21,6 +21,7 @@ import os
 import sys
 from importlib import metadata
 
+from kimi_passes.config import checkpoint
 from kimi_passes.config.drafter import drafter_capture_ids
 from kimi_passes.vllm import versions
 from kimi_passes.vllm.k3 import stream, surface
@@ -131,6 +132,7 @@ def drafter_rows(plan: Plan, config, choice, num_layers) -> None:
     if not versions.drafter_reads_aux(spec):
         plan.add("drafter", f"{spec.method}: reads no aux states")
         return
+    plan.add("declaration", declaration_row(spec))
     taps = drafter_capture_ids(spec.draft_model_config.hf_config, num_layers,
                                source=str(spec.draft_model_config.model))
     if taps is None:
@@ -151,18 +153,36 @@ def drafter_rows(plan: Plan, config, choice, num_layers) -> None:
                     "(VLLM_PP_LAYER_PARTITION) or serve other capture ids")
 
 
+def declaration_row(spec) -> str:
+    """Where the drafter's stream declaration was read, and what it says."""
+    try:
+        found = stream.declaration(spec)
+    except stream.REFUSALS as e:
+        return f"unreadable: {e}"
+    if found is not None:
+        return f"{found.value!r}, read from {found.where}"
+    if spec.method in stream.NO_CHECKPOINT:
+        return f"none (the {spec.method} drafter's config, given inline, has no aux_hidden_stream)"
+    draft = spec.draft_model_config
+    path = checkpoint.locate(str(draft.model), getattr(draft, "revision", None))
+    return f"none ({path} has no aux_hidden_stream)"
+
+
 def k3_rows(plan: Plan, config, environ) -> None:
     """The stream, the route and the drafter for a K3 ``config`` (resolved)."""
     try:
         choice = stream.resolve(environ, config)
-    except stream.VllmRouteError as e:
+    except stream.REFUSALS as e:
         plan.refusals.append(str(e))
         return
     plan.add("stream", f"{choice.stream}, from {choice.source}")
+    warning = choice.override_warning()
+    if warning:
+        plan.add("A/B run", warning)
     try:
         served = serving_plan(config, stream=choice,
                               sequence_parallel=sequence_parallel(config))
-    except stream.VllmRouteError as e:
+    except stream.REFUSALS as e:
         plan.refusals.append(str(e))
         served = None
     if served is not None:
