@@ -24,6 +24,7 @@ import logging
 import os
 import pickle
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +39,7 @@ import helpers.vllm_harness as h  # noqa: E402
 import torch  # noqa: E402
 from helpers.op import OP_TOL  # noqa: E402
 from helpers.process import INDUCTOR_SETUP, one_after_another  # noqa: E402
+from helpers.readme import bash_lines  # noqa: E402
 
 from kimi_passes import AuxCaptureError  # noqa: E402
 from kimi_passes.config.stream import StreamConflict  # noqa: E402
@@ -331,6 +333,103 @@ def test_fixed_stream_passes_keep_the_adapter():
         assert isinstance(p, KimiVllmPass) and p.aux_stream == stream
         uuids.add(p.uuid())
     assert len(uuids) == 2
+
+
+# A process forked from a parent that imported vLLM and nothing of ours; argv[1]: a JSON of
+# the old names to try first, the (route, stream) steps in order, the README's names and
+# its `-cc` argument. Prints, per step, whether the name's last word was bound in
+# kimi_passes before, and what vLLM resolved it to.
+NAMED_PASS_CHILD = r"""
+import copy, json, sys
+assert not [m for m in sys.modules if m.split(".")[0] == "kimi_passes"], "ours imported"
+from vllm.config import CompilationConfig
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.entrypoints.cli.serve import ServeSubcommand
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+KEY = "post_grad_custom_post_pass"
+job = json.loads(sys.argv[1])
+out = {"old": {}, "steps": []}
+for name in job["old"]:
+    try:
+        CompilationConfig(inductor_passes={KEY: name})
+        out["old"][name] = "resolved"
+    except KeyError as e:
+        out["old"][name] = repr(e)
+
+def serve(name):
+    parser = FlexibleArgumentParser(prog="vllm")  # as `vllm serve` builds it
+    ServeSubcommand().subparser_init(parser.add_subparsers(dest="subparser"))
+    cc = job["cc"].replace(job["names"]["attn_res"], name)
+    args = parser.parse_args(["serve", "<model>", "-cc", cc])
+    config = AsyncEngineArgs.from_cli_args(args).compilation_config
+    return copy.deepcopy(config)  # as create_engine_config takes it
+
+for route, stream in job["steps"]:
+    name = job["names"][stream]
+    top = sys.modules.get("kimi_passes")
+    bound = top is not None and name.rsplit(".", 1)[1] in vars(top)
+    if route == "serve":
+        config = serve(name)
+    else:
+        config = CompilationConfig(inductor_passes={KEY: name})
+    p = config.inductor_compile_config[KEY]
+    out["steps"].append({"route": route, "stream": stream, "bound before": bound,
+                         "type": f"{type(p).__module__}.{type(p).__qualname__}",
+                         "aux_stream": getattr(p, "aux_stream", None), "uuid": p.uuid()})
+from kimi_passes.vllm import make_vllm_pass
+out["want"] = {s: make_vllm_pass(aux_stream=s).uuid() for s in ("attn_res", "prefix")}
+print(json.dumps(out))
+"""
+
+
+def readme_named_passes() -> tuple[dict[str, str], str]:
+    """The README's pass name for each stream, and its ``vllm serve`` line's ``-cc``."""
+    text = (HERE.parent / "README.md").read_text()
+    names = {s: f"kimi_passes.{s}_stream_pass.{s}_stream_pass" for s in ("attn_res", "prefix")}
+    missing = [n for n in names.values() if f'"{n}"' not in text]
+    assert not missing, f"README documents no {missing}"
+    serve = [line for line in bash_lines(text) if "vllm serve" in line and " -cc " in line]
+    assert len(serve) == 1, serve
+    words = shlex.split(serve[0])
+    cc = words[words.index("-cc") + 1]
+    assert names["attn_res"] in cc, cc
+    return names, cc
+
+
+def test_named_passes_resolve_in_a_fresh_vllm_process():
+    """README's names, given to vLLM by name in processes that imported nothing of ours:
+    the names under ``kimi_passes.vllm`` raise vLLM's ``KeyError`` naming the word it
+    missed; each README name resolves, through ``CompilationConfig(inductor_passes=...)``
+    and through ``vllm serve``'s parser (``-cc``, then ``AsyncEngineArgs`` and the deep copy
+    ``create_engine_config`` makes), to our ``KimiVllmPass`` (not vLLM's
+    ``CallableInductorPass``) with its stream's cache key, ``make_vllm_pass``'s; the two
+    keys differ. Two processes: each route resolves each stream's name at its first use
+    in one of them."""
+    names, cc = readme_named_passes()
+    old = [f"kimi_passes.vllm.{s}_stream_pass" for s in ("attn_res", "prefix")]
+    steps = [[["serve", "attn_res"], ["config", "prefix"]],
+             [["config", "attn_res"], ["serve", "prefix"]]]
+    jobs = [{"old": old, "steps": steps[0]}, {"old": [], "steps": steps[1]}]
+    path = os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}  # this checkout's kimi_passes, where -c runs
+    imports = ("vllm.config", "vllm.engine.arg_utils", "vllm.entrypoints.cli.serve")
+    outs = [json.loads(out.splitlines()[-1]) for out in one_after_another(
+        [[sys.executable, "-c", NAMED_PASS_CHILD, json.dumps({**job, "names": names,
+                                                              "cc": cc})] for job in jobs],
+        env, timeout=300, imports=imports)]
+    for name in old:
+        word = name.rsplit(".", 1)[1]
+        assert outs[0]["old"][name] == f"KeyError({word!r})", outs[0]["old"]
+    for out in outs:
+        want = out["want"]
+        assert want["attn_res"] != want["prefix"], want
+        for step in out["steps"]:
+            assert not step["bound before"], step  # the first use of the name here
+            assert step["type"] == "kimi_passes.vllm.compile_pass.KimiVllmPass", step
+            assert step["aux_stream"] == step["stream"], step
+            assert step["uuid"] == want[step["stream"]], (step, want)
+    assert [[[s["route"], s["stream"]] for s in out["steps"]] for out in outs] == steps
 
 
 def test_callable_string_route_is_refused():

@@ -29,5 +29,8 @@ def check_host_key(pass_) -> None:
                 "stream's graph to another. This is what CompilationConfig(inductor_passes="
                 "{'post_grad_custom_post_pass': 'pkg.attr'}) does with a plain kimi pass. "
                 "Remedy: inductor_compile_config=kimi_passes.vllm.compile_config_entries("
-                "aux_stream=...), a KimiVllmPass keyed by the stream and options"
+                "aux_stream=...), a KimiVllmPass keyed by the stream and options; or, by "
+                "name, 'kimi_passes.attn_res_stream_pass.attn_res_stream_pass' (or "
+                "'kimi_passes.prefix_stream_pass.prefix_stream_pass'), which vLLM resolves "
+                "to such a pass"
             )

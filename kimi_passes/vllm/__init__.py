@@ -2,7 +2,8 @@
 
 - ``compile_pass``: ``KimiVllmPass``, the kimi pass manager as vLLM's post-grad
   ``InductorPass`` (``compile_config_entries``, ``make_vllm_pass``, the two
-  ``<stream>_stream_pass`` objects of fixed stream). Imports vLLM.
+  ``<stream>_stream_pass`` objects of fixed stream, which vLLM reaches by name through the
+  top-level modules ``kimi_passes.<stream>_stream_pass``). Imports vLLM.
 - ``k3/``: the K3 route, vLLM's ``vllm.general_plugins`` entry point
   (``k3.route.register``): once vLLM imports its K3 model (``k3.hook``) and a source asks
   for a stream (``k3.stream``), vLLM's own K3 ``attn_res`` is routed to the kimi ops and

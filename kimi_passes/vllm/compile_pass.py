@@ -9,10 +9,24 @@ must be an instance of its ``InductorPass``::
 Invariant: the pass vLLM runs is a ``KimiVllmPass`` whose ``uuid()`` is its manager's, so
 vLLM keeps it unwrapped (no ``CallableInductorPass``, whose key hashes the class only) and
 its caches key each stream, option and served drafter apart. ``attn_res_stream_pass`` and
-``prefix_stream_pass`` are two such passes (fixed stream, default options), passed as
-objects in ``inductor_compile_config``. A qualified name in ``inductor_passes`` does not
-reach them: vLLM resolves ``"a.b.name"`` as ``__import__("a.b").__dict__["name"]``, the
-top package's ``__dict__``, and this module writes into no other module.
+``prefix_stream_pass`` are two such passes (fixed stream, default options), given to vLLM
+as objects in ``inductor_compile_config`` or by name in ``inductor_passes``.
+
+Names vLLM resolves. ``CompilationConfig(inductor_passes={PASS_KEY: "a.b.name"})`` (what
+``vllm serve -cc '{"inductor_passes": ...}'`` builds) reads ``__import__("a.b").__dict__
+["name"]``: it imports ``a.b``, then reads the last word from the *top* package's
+``__dict__`` (``__import__`` returns the top package). ``import kimi_passes`` imports no
+vLLM, and no module of ours writes into another's namespace, so the only names importing
+``kimi_passes.<m>`` binds there are direct submodules: ``"kimi_passes.vllm.<name>"`` raises
+``KeyError`` in a fresh process. Hence one top-level module per stream,
+``kimi_passes.attn_res_stream_pass`` and ``kimi_passes.prefix_stream_pass``, each of which
+puts the pass in its own place in ``sys.modules``. CPython's import returns, and binds on
+the parent, what ``sys.modules`` holds for the name once the module has run
+(``importlib._bootstrap._load_unlocked`` since 3.4; the language reference, "Loaders"),
+so ``kimi_passes.attn_res_stream_pass`` is the pass itself and the name vLLM resolves is
+``"kimi_passes.attn_res_stream_pass.attn_res_stream_pass"``: the module to import, then the
+binding to read. (A module merely holding the pass would be read as the module, which vLLM
+wraps in ``CallableInductorPass``.)
 
 This module imports vLLM; ``import kimi_passes`` never imports it.
 """
