@@ -285,3 +285,38 @@ def test_vllm_adapter_reads_the_served_drafter(monkeypatch):
     with set_current_vllm_config(_served(h.vllm_config(), "ngram", (0,))):
         from kimi_passes.vllm import served_drafter
         assert served_drafter() is None
+
+
+@pytest.mark.vllm
+def test_vllm_adapter_checks_the_served_drafters_declaration(monkeypatch, caplog):
+    """The fixed-stream pass against a served drafter whose checkpoint declares the other
+    stream: refused naming both and the A/B switch; with the switch, served and warned
+    once. The declaration is read from the drafter's config.json (the harness's folder)."""
+    import json
+    import logging
+    import types
+
+    import helpers.vllm_harness as h
+    from vllm.config import set_current_vllm_config
+
+    from kimi_passes.config.stream import AB_VAR, StreamConflict
+    from kimi_passes.vllm import attn_res_stream_pass
+
+    monkeypatch.delenv(AB_VAR, raising=False)
+    declared = {**eagle(0, 1, 2), "aux_hidden_stream": "prefix"}
+    hf = types.SimpleNamespace(to_dict=lambda: declared)
+    config = h.vllm_config()
+    object.__setattr__(config, "speculative_config", h.speculative_config("eagle3", hf))
+    path = f"{config.speculative_config.draft_model_config.model}/config.json"
+    assert json.loads(open(path).read())["aux_hidden_stream"] == "prefix"
+    with set_current_vllm_config(config):
+        with pytest.raises(StreamConflict, match=(
+                r"this KimiVllmPass serves 'attn_res' asks for 'attn_res', the eagle3 "
+                rf"drafter's config {path}: aux_hidden_stream = 'prefix'.*\${AB_VAR}=1")):
+            attn_res_stream_pass.uuid()
+        monkeypatch.setenv(AB_VAR, "1")
+        with caplog.at_level(logging.WARNING, logger="vllm.kimi_passes"):
+            attn_res_stream_pass.uuid()
+            attn_res_stream_pass.uuid()
+    warnings = [r.getMessage() for r in caplog.records if "A/B run" in r.getMessage()]
+    assert len(warnings) == 1 and "declares 'prefix'" in warnings[0], warnings

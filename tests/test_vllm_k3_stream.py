@@ -35,7 +35,8 @@ from helpers.vllm_harness import load_vllm_plugins  # noqa: E402
 
 import kimi_passes.graphs.vllm_k3 as h  # noqa: E402
 import kimi_passes.vllm.k3.route as route  # noqa: E402
-from kimi_passes.config.stream import ENV_VAR  # noqa: E402
+from kimi_passes.config.checkpoint import CheckpointError  # noqa: E402
+from kimi_passes.config.stream import AB_VAR, ENV_VAR  # noqa: E402
 from kimi_passes.vllm.k3.stream import StreamConflict, VllmRouteError  # noqa: E402
 from kimi_passes.vllm.vllm_plan import command  # noqa: E402
 
@@ -240,3 +241,180 @@ def test_vllm_plan_resolves_for_the_platform_named(drafters, capsys):
         assert re.search(r"route +eager: .*" + re.escape(graphs), out), out
     assert command.main(["--platform", "tpu", *args]) == 2
     assert "--platform 'tpu': pass one of cuda, rocm" in capsys.readouterr().err
+
+
+# ------------------------------------------------- the checkpoint's word, as it ships
+
+SPECULATORS = ROOT / "tests" / "data" / "speculators"
+#: The speculators 0.9.0 formats vLLM detects and serves with K3, and the method it picks.
+DETECTED = {"eagle3": "eagle3", "dflash": "dflash", "dflash2": "dflash", "dspark": "dspark"}
+
+
+def speculators_folder(tmp: Path, fmt: str, declared: str | None, **places) -> Path:
+    """A speculators-format drafter checkpoint (``tests/data/speculators``, as speculators
+    writes it) declaring ``declared`` at its top level (None: no declaration); ``places``:
+    sections given an ``aux_hidden_stream`` too."""
+    config = json.loads((SPECULATORS / fmt / "config.json").read_text())
+    if declared is not None:
+        config["aux_hidden_stream"] = declared
+    for section, value in places.items():
+        config.setdefault(section, {})["aux_hidden_stream"] = value
+    folder = tmp / f"speculators-{fmt}-{declared}-{'-'.join(places)}"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def served_config(model: str, **spec):
+    with environ(**{**CLEAN, "HF_HUB_OFFLINE": "1", "VLLM_USE_V2_MODEL_RUNNER": "1"}):
+        try:
+            return command.engine_config(
+                [str(K3), "--speculative-config",
+                 json.dumps({"model": model, "num_speculative_tokens": 3, **spec})], "cuda")
+        finally:
+            route.unroute_attn_res()
+
+
+@pytest.mark.parametrize("fmt", list(DETECTED))
+def test_vllm_k3_speculators_drafter_declares_from_its_file(drafters, fmt):
+    """A speculators-format drafter: vLLM detects its method and converts its config,
+    dropping ``aux_hidden_stream``; the stream is still the one its ``config.json``
+    declares (None: vLLM's default), and the plan names that file."""
+    for declared in ("attn_res", "prefix", None):
+        folder = speculators_folder(drafters, fmt, declared)
+        config = served_config(str(folder))
+        spec = config.speculative_config
+        assert spec.method == DETECTED[fmt]
+        assert "aux_hidden_stream" not in spec.draft_model_config.hf_config.to_dict()
+        with k3_process(config) as model:
+            plan = model._kimi_passes_plan
+        if declared is None:
+            assert (plan.stream, plan.source) == (
+                "prefix", "vLLM's default (no source asks for a stream)"), plan
+        else:
+            assert plan.stream == declared, (fmt, plan)
+            assert plan.source == (f"the {DETECTED[fmt]} drafter's config "
+                                   f"{folder / 'config.json'}: aux_hidden_stream = "
+                                   f"{declared!r}"), plan.source
+
+
+def test_vllm_k3_speculators_peagle_is_vllms_refusal(drafters):
+    """P-EAGLE's speculators layout: vLLM itself refuses it, before any code of ours."""
+    folder = speculators_folder(drafters, "peagle", "attn_res")
+    with pytest.raises(ValueError, match="P-EAGLE .* is not supported"):
+        served_config(str(folder))
+
+
+def test_vllm_k3_declaration_places_and_unreadable_file(drafters):
+    """Top level and ``speculators_config`` agreeing: one declaration, both named; one
+    that disagrees: refused naming both; the file gone after vLLM read it: refused
+    naming the path, never "no declaration"."""
+    folder = speculators_folder(drafters, "dflash", "attn_res", speculators_config="attn_res")
+    with k3_process(served_config(str(folder))) as model:
+        assert model._kimi_passes_plan.source.endswith(
+            "aux_hidden_stream and the dflash drafter's config "
+            f"{folder / 'config.json'}: speculators_config.aux_hidden_stream = 'attn_res'")
+    folder = speculators_folder(drafters, "dflash", "attn_res", dflash_config="prefix")
+    config = served_config(str(folder))
+    with pytest.raises(CheckpointError, match=(
+            r"declares two aux streams \(.*: aux_hidden_stream = 'attn_res'; .*: "
+            r"dflash_config.aux_hidden_stream = 'prefix'\)")):
+        with k3_process(config):
+            pass
+    folder = speculators_folder(drafters, "eagle3", "attn_res")
+    config = served_config(str(folder))
+    (folder / "config.json").unlink()
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"drafter config {folder / 'config.json'} does not exist")):
+        with k3_process(config):
+            pass
+
+
+def test_vllm_k3_hub_drafter_from_an_offline_cache(tmp_path):
+    """A drafter named by hub id, resolved by vLLM from the Hugging Face cache offline:
+    the declaration is read from the snapshot of the revision vLLM resolved."""
+    import huggingface_hub.constants as hub
+
+    repo = tmp_path / "models--kimi-test--dflash-drafter"
+    shas = {"attn_res": "a" * 40, "prefix": "b" * 40}
+    for declared, sha in shas.items():
+        speculators_folder(repo / "snapshots", "dflash", declared).rename(
+            repo / "snapshots" / sha)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(shas["attn_res"])
+    # huggingface_hub read both variables at import: the cache and offline mode patched
+    with mock.patch.multiple(hub, HF_HUB_CACHE=str(tmp_path), HF_HUB_OFFLINE=True):
+        for revision, declared in (({}, "attn_res"), ({"revision": shas["prefix"]}, "prefix")):
+            config = served_config("kimi-test/dflash-drafter", **revision)
+            with k3_process(config) as model:
+                plan = model._kimi_passes_plan
+            sha = shas[declared]
+            assert plan.stream == declared
+            assert f"{repo / 'snapshots' / sha / 'config.json'}: aux_hidden_stream" in \
+                plan.source, plan.source
+
+
+def test_vllm_k3_speculators_drafter_is_served_its_stream(drafters):
+    """Only the plugin installed: a speculators DFlash drafter declaring attn_res gets the
+    mixture (vLLM's own flag-on forward, unrouted), 4 fused captures; one declaring
+    prefix gets vLLM's own values, bit for bit, and nothing of ours runs."""
+    T, spec, ids = 4, h.Spec(), (0, 2, 3, 5, 6)
+    tokens = h.token_ids(spec, T)
+    for declared, flag in (("attn_res", True), ("prefix", False)):
+        with h.with_own_attn_res(h.vllm_attn_res(), h.vllm_amd_attn_res()), h.flag(flag):
+            want = h.aux_of(h.call(h.build(spec, h.weights(spec), ids), tokens))
+        calls = h.Calls()
+        own = calls.wrap(h.vllm_attn_res())
+        config = served_config(str(speculators_folder(drafters, "dflash", declared)))
+        with h.with_own_attn_res(own, own), k3_process(config) as init:
+            assert init._kimi_passes_plan.stream == declared
+            model = h.build(spec, h.weights(spec), ids)
+            with calls:
+                got = h.aux_of(h.call(model, tokens))
+        if declared == "attn_res":
+            assert calls.kimi == ["attn_res_capture"] * 4 and "pure" not in calls.own
+            tol = OP_TOL[torch.float32]
+            for g, w in zip(got, want, strict=True):
+                torch.testing.assert_close(g, w, atol=tol, rtol=tol)
+        else:
+            assert calls.kimi == [], calls.kimi
+            for g, w in zip(got, want, strict=True):
+                assert torch.equal(g, w)
+
+
+def test_vllm_k3_ab_switch(drafters, capsys):
+    """Our variable against the drafter's declaration: refused, naming the switch; with
+    ``$KIMI_PASSES_AUX_STREAM_AB=1`` the variable's stream is served, a WARNING names the
+    declaration and the override, and ``vllm-plan`` shows the A/B run."""
+    folder = speculators_folder(drafters, "dflash", "attn_res")
+    config = served_config(str(folder))
+    with pytest.raises(StreamConflict, match=re.escape(
+            f"${ENV_VAR}=prefix asks for 'prefix', the dflash drafter's config "
+            f"{folder / 'config.json'}: aux_hidden_stream = 'attn_res' asks for 'attn_res'")
+            + f".*set \\${AB_VAR}=1"):
+        with k3_process(config, **{ENV_VAR: "prefix"}):
+            pass
+    lines: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = lines.append  # type: ignore[method-assign]
+    logging.getLogger("vllm").addHandler(handler)
+    try:
+        with k3_process(config, **{ENV_VAR: "prefix", AB_VAR: "1"}) as model:
+            plan = model._kimi_passes_plan
+    finally:
+        logging.getLogger("vllm").removeHandler(handler)
+    assert plan.stream == "prefix" and "overriding the dflash drafter's config" in plan.source
+    [warning] = [r.getMessage() for r in lines if r.levelno == logging.WARNING
+                 and "A/B run" in r.getMessage()]
+    assert warning.startswith(f"kimi_passes: A/B run (${AB_VAR}=1): serving the prefix stream "
+                              f"(${ENV_VAR}=prefix) to a drafter whose checkpoint declares "
+                              f"'attn_res' (the dflash drafter's config {folder}"), warning
+    args = [str(K3), "--speculative-config",
+            json.dumps({"model": str(folder), "num_speculative_tokens": 3})]
+    with environ(**{**CLEAN, ENV_VAR: "prefix", AB_VAR: "1"}):
+        assert command.main(args) == 0
+        route.unroute_attn_res()
+    out = capsys.readouterr().out
+    assert re.search(r"A/B run +kimi_passes: A/B run", out), out
+    assert re.search(r"declaration +'attn_res', read from the dflash drafter's config "
+                     + re.escape(str(folder / "config.json")), out), out
