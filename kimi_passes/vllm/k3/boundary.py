@@ -40,14 +40,9 @@ Invariants (vLLM 0.33.0, 0.34.0, NVIDIA: ``supports_aux_hidden_states_over_pp``)
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
-
-from kimi_passes.errors import AuxCaptureError
-
-if TYPE_CHECKING:
-    from kimi_passes.vllm.k3.eager import Captures
 
 log = logging.getLogger("vllm.kimi_passes")  # plan.py's startup logger: vLLM prints it
 
@@ -58,6 +53,17 @@ COMPILED_WHY = ("the compiled route compiles each stage's graph alone: the captu
                 "consumer is the next stage's graph, and the kimi pass cannot write the "
                 "slot that graph receives (a graph input); drop the -cc mode (the eager "
                 "route serves it)")
+class Captures(Protocol):
+    """What this module uses of ``eager.Captures`` (which imports this module)."""
+
+    @property
+    def stream(self) -> str | None: ...
+
+    def fused(self) -> bool: ...
+
+    def expect_into(self, weight: torch.Tensor, slot: torch.Tensor) -> None: ...
+
+
 #: How vLLM 0.33.0 / 0.34.0 refuses the id (``_set_aux_hidden_state_layers``, flag on).
 VLLMS_REFUSAL = "Auxiliary layer {k} cannot end a non-final PP stage"
 
@@ -93,13 +99,10 @@ def crosses(model, capture_id: int, is_last_rank: bool) -> bool:
 
 def placeholder(model, capture_id: int, prefix_sum: torch.Tensor) -> torch.Tensor:
     """The earlier stage's slot for boundary id ``capture_id``: ``[T, H]``, never read (the
-    next stage overwrites it). Traced by Dynamo or on a refused stage: the refusal."""
-    if torch.compiler.is_compiling():
-        raise AuxCaptureError(f"kimi_passes: aux capture id {capture_id} ends pipeline stage "
-                              f"[{model.start_layer}, {model.end_layer}) of vLLM's K3, traced "
-                              f"by Dynamo: {COMPILED_WHY}, or move the stage boundary "
-                              "(VLLM_PP_LAYER_PARTITION)")
-    why = refusal(model)
+    next stage overwrites it). Traced by Dynamo (a compiled route) or on a refused stage:
+    the refusal."""
+    # A RuntimeError, not AuxCaptureError: Dynamo cannot construct the latter in a trace.
+    why = COMPILED_WHY if torch.compiler.is_compiling() else refusal(model)
     if why is not None:
         raise RuntimeError(refused_text(capture_id, model.start_layer, model.end_layer, why))
     return prefix_sum.new_empty(prefix_sum.shape)
