@@ -231,15 +231,6 @@ def test_vllm_k3_eager_route_pp_stages():
             assert len(calls.kimi) == FUSED and len(calls.own) == SITES - FUSED
 
 
-def test_vllm_k3_eager_route_refuses_a_stage_crossing_capture():
-    """Capture id 4 at the end of stage [0, 4): its consumer is on the next stage. vLLM
-    refuses it flag on; flag off it would hand the drafter the prefix: refused too."""
-    stage = h.Stage(is_last_rank=False, world_size=2)
-    with h.flag(False), served(1), pytest.raises(RuntimeError, match=(
-            r"capture id 4 is this pipeline stage's last layer .*\[0, 4\).*VLLM_PP_LAYER")):
-        h.build(SPEC, h.weights(SPEC), (0, 4), start=0, end=4, pp=stage)
-
-
 def test_vllm_k3_eager_route_sequence_parallel():
     """Sequence parallelism (NVIDIA), its collectives one rank's identity: the captures
     are fused on the shard and gathered by vLLM as its flag-on values are."""

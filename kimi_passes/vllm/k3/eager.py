@@ -17,6 +17,9 @@ After::
     aux = prefix.new_empty(0); pending[w_k] = aux                # the capture: no kernel
     x, m = kimi::attn_res_capture(prefix, pending, bank, w_k, ...); aux.set_(m)
 
+A capture id at a non-final stage's end is filled by the next stage's first consumer call,
+in the slot vLLM relays (``boundary``).
+
 Invariants: in eager, only a capture's consumer runs a kimi op; every other AttnRes call
 is vLLM's own ``attn_res``. The decisions are Python, taken as the forward runs (a CUDA
 graph records them once; nothing syncs). Pending captures are per thread (``Captures``);
@@ -35,6 +38,10 @@ from collections.abc import Callable
 import torch
 
 from kimi_passes.ops.attn_res_args import AttnResArgs
+from kimi_passes.vllm.k3 import boundary
+
+#: How a consumer call hands on its pre-norm mixture (``buffer.set_`` or ``slot.copy_``).
+Fill = Callable[[torch.Tensor], object]
 
 #: How the route's errors end: what turns it off.
 TURN_OFF = ("serve without the attn_res stream (unset $KIMI_PASSES_AUX_STREAM and "
@@ -51,10 +58,11 @@ def written_for() -> str:
 class Captures(abc.ABC):
     """The eager capture mechanics: this thread's pending captures, and who watches them.
 
-    A capture (``expect``) waits, keyed by its consumer's norm weight, until that consumer's
-    ``attn_res`` call ``claim``s it; ``begin_forward`` / ``end_forward`` bracket a forward,
-    which must leave none waiting. Pending captures are per thread (``threading.local``): a
-    forward in one thread never sees, clears or fills another's. Which stream is served is
+    A capture (``expect``, or ``expect_into`` a received slot) waits, keyed by its
+    consumer's norm weight, until that consumer's ``attn_res`` call ``claim``s it;
+    ``begin_forward`` / ``end_forward`` bracket a forward, which must leave none waiting.
+    Pending captures are per thread (``threading.local``): a forward in one thread never
+    sees, clears or fills another's. Which stream is served is
     the route's (``stream``: ``route.EagerRoute``, the one subclass, which also records
     what the route replaced); the captures fuse only under attn_res, in eager.
     """
@@ -72,27 +80,36 @@ class Captures(abc.ABC):
         """Whether this call runs the fused capture (eager, attn_res stream)."""
         return self.stream == "attn_res" and not torch.compiler.is_compiling()
 
-    def pending(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    def pending(self) -> dict[int, tuple[torch.Tensor, Fill]]:
         """This thread's captures waiting for their consumer: ``id(weight) -> (weight,
-        buffer)``."""
+        fill)``."""
         found = getattr(self._local, "pending", None)
         if found is None:
             found = self._local.pending = {}
         return found
 
-    def expect(self, weight: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """A buffer that the consumer mixing with ``weight`` fills (``Tensor.set_``)."""
+    def _wait(self, weight: torch.Tensor, fill: Fill) -> None:
         pending = self.pending()
         if id(weight) in pending:
             raise RuntimeError(
                 "kimi_passes: two aux captures wait on one consumer call: vLLM's K3 forward "
                 f"is not the one the route was written for ({written_for()}); {TURN_OFF}")
+        pending[id(weight)] = (weight, fill)
+
+    def expect(self, weight: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """A buffer that the consumer mixing with ``weight`` fills (``Tensor.set_``)."""
         buffer = like.new_empty(0)
-        pending[id(weight)] = (weight, buffer)
+        # torch's stubs list set_'s storage overloads only; set_(Tensor) is the one used.
+        self._wait(weight, buffer.set_)  # type: ignore[arg-type]
         return buffer
 
-    def claim(self, args: tuple, kwargs: dict) -> torch.Tensor | None:
-        """The capture buffer this ``attn_res`` call fills, if it is a capture's consumer
+    def expect_into(self, weight: torch.Tensor, slot: torch.Tensor) -> None:
+        """The consumer mixing with ``weight`` writes its mixture into ``slot`` (``copy_``:
+        a received PP slot, whose memory the runner and its CUDA graphs keep)."""
+        self._wait(weight, slot.copy_)
+
+    def claim(self, args: tuple, kwargs: dict) -> Fill | None:
+        """How this ``attn_res`` call hands on its mixture, if it is a capture's consumer
         (each watcher is first told the call: ``watch``)."""
         pending = self.pending()
         if not pending:
@@ -149,25 +166,24 @@ def consumer_weight(model, capture_id: int) -> torch.Tensor:
         return model.layers[capture_id].self_attention_res_norm.weight
     if _pp_group(model).is_last_rank:
         return model.output_attn_res_norm.weight
-    raise RuntimeError(crossing(capture_id, model))
-
-
-def crossing(capture_id: int, model) -> str:
-    return (f"kimi_passes: aux capture id {capture_id} is this pipeline stage's last layer "
-            f"(layers [{model.start_layer}, {model.end_layer})): its consumer runs on the next "
-            "stage, so the attn_res stream cannot be read here and vLLM would hand the "
-            "drafter the running prefix. Serve a drafter whose capture ids are not a "
-            "non-final stage's end, or move the stage boundary (VLLM_PP_LAYER_PARTITION)")
+    raise RuntimeError(boundary.refused_text(capture_id, model.start_layer, model.end_layer,
+                                             boundary.refusal(model)
+                                             or "its consumer runs on the next stage"))
 
 
 def check_capture_ids(route: Captures, model) -> None:
-    """Refuse capture ids the route cannot serve on this stage (a stage-crossing id)."""
+    """Refuse capture ids the route cannot serve on this stage; a stage-end id is served
+    (logged) or refused naming why (``boundary.refusal``)."""
     if route.stream != "attn_res":
         return
     pp = _pp_group(model)
     ids = set(model.aux_hidden_state_layers)
     if not pp.is_last_rank and model.end_layer in ids:
-        raise RuntimeError(crossing(model.end_layer, model))
+        why = boundary.refusal(model)
+        if why is not None:
+            raise RuntimeError(boundary.refused_text(model.end_layer, model.start_layer,
+                                                     model.end_layer, why))
+        boundary.log_served(model)
     if not pp.is_first_rank and model.start_layer in ids \
             and not getattr(type(model), "supports_aux_hidden_states_over_pp", False):
         raise RuntimeError(
@@ -192,6 +208,9 @@ def nvidia_capture(route: Captures, own):
     def _capture_aux_hidden_stream(self, layer_idx, prefix_sum, pending_mlp_out,
                                    block_residual):
         _check_compile_state(self)
+        if route.stream == "attn_res" and self.use_attn_res \
+                and boundary.crosses(self, layer_idx + 1, _pp_group(self).is_last_rank):
+            return boundary.placeholder(self, layer_idx + 1, prefix_sum)
         if not (route.fused() and self.use_attn_res):
             return own(self, layer_idx, prefix_sum, pending_mlp_out, block_residual)
         return route.expect(consumer_weight(self, layer_idx + 1), prefix_sum)
@@ -221,12 +240,15 @@ def amd_capture(route: Captures, own):
 
 def checked_forward(route: Captures, own):
     """``KimiLinearModel.forward``, then: every capture this thread made was consumed
-    (traced by Dynamo, vLLM's own: the captures there are vLLM's)."""
+    (traced by Dynamo, vLLM's own: the captures there are vLLM's). A received boundary
+    slot is expected first (``boundary.expect_received``)."""
 
     def forward(self, *args, **kwargs):
         if torch.compiler.is_compiling():
             return own(self, *args, **kwargs)
         route.begin_forward()
+        boundary.expect_received(route, self, args[2] if len(args) > 2
+                                 else kwargs.get("intermediate_tensors"))
         out = own(self, *args, **kwargs)
         route.end_forward()
         return out
@@ -235,10 +257,18 @@ def checked_forward(route: Captures, own):
 
 
 def checked_set_layers(route: Captures, own):
-    """``_set_aux_hidden_state_layers``, then the ids checked (``check_capture_ids``)."""
+    """``_set_aux_hidden_state_layers``, then the ids checked (``check_capture_ids``).
+
+    vLLM's own refusal of a stage-end id (flag on; raised after its mixin has set the ids
+    and their PP slot layout) is taken over under the attn_res stream (``boundary.lifts``):
+    ``check_capture_ids`` then serves it or refuses naming why. Any other error is vLLM's."""
 
     def _set_aux_hidden_state_layers(self, layers):
-        own(self, layers)
+        try:
+            own(self, layers)
+        except ValueError as e:
+            if not boundary.lifts(route, self, e):
+                raise
         check_capture_ids(route, self)
 
     return _set_aux_hidden_state_layers

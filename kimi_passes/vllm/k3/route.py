@@ -57,11 +57,11 @@ def vllm_attn_res(*args, **kwargs):
     buffer (``eager``); every other call is vLLM's own ``attn_res``.
     """
     if not torch.compiler.is_compiling():
-        aux = _active().claim(args, kwargs)
-        if aux is None:
+        fill = _active().claim(args, kwargs)
+        if fill is None:
             return _active().own["nvidia"](*args, **kwargs)
         out, mixed = torch.ops.kimi.attn_res_capture(*AttnResArgs(*args, **kwargs))
-        aux.set_(mixed)
+        fill(mixed)
         return out
     return torch.ops.kimi.attn_res(*AttnResArgs(*args, **kwargs))
 
@@ -75,23 +75,23 @@ def vllm_attn_res_amd(*args, quant_dtype=None, **kwargs):
     bound vLLM's kernel takes, ``get_fp8_min_max()[1]`` of the platform, read at each call
     as vLLM's function reads it (224 on fnuz platforms, else 448), not the dtype's.
     """
-    aux = None
+    fill = None
     if not torch.compiler.is_compiling():
-        aux = _active().claim(args, kwargs)
-        if aux is None:
+        fill = _active().claim(args, kwargs)
+        if fill is None:
             return _active().own["amd"](*args, quant_dtype=quant_dtype, **kwargs)
     a = AttnResArgs(*args, **kwargs)
     if quant_dtype is None:
-        if aux is None:
+        if fill is None:
             return torch.ops.kimi.attn_res(*a)
         out, mixed = torch.ops.kimi.attn_res_capture(*a)
-        aux.set_(mixed)
+        fill(mixed)
         return out
     qmax = _platform_quant_max(quant_dtype)
-    if aux is None:
+    if fill is None:
         return torch.ops.kimi.attn_res_quant(*a, quant_dtype, quant_max=qmax)
     data, scale, mixed = torch.ops.kimi.attn_res_quant_capture(*a, quant_dtype, quant_max=qmax)
-    aux.set_(mixed)
+    fill(mixed)
     return data, scale
 
 

@@ -24,8 +24,8 @@ from importlib import metadata
 from kimi_passes.config import checkpoint
 from kimi_passes.config.drafter import drafter_capture_ids
 from kimi_passes.vllm import versions
-from kimi_passes.vllm.k3 import stream, surface
-from kimi_passes.vllm.k3.plan import serving_plan, startup_line
+from kimi_passes.vllm.k3 import boundary, stream, surface
+from kimi_passes.vllm.k3.plan import COMPILED, ServingPlan, serving_plan, startup_line
 from kimi_passes.vllm.vllm_plan import platform
 
 K3_ARCHITECTURES = ("KimiK3ForConditionalGeneration", "KimiLinearForCausalLM")
@@ -123,8 +123,10 @@ def sequence_parallel(config) -> bool:
             and p.tensor_parallel_size > 1 and (mega or p.data_parallel_size > 1))
 
 
-def drafter_rows(plan: Plan, config, choice, num_layers) -> None:
-    """The drafter's method and capture ids; a capture id ending a non-final stage."""
+def drafter_rows(plan: Plan, config, choice, num_layers, served: ServingPlan | None,
+                 rocm: bool) -> None:
+    """The drafter's method and capture ids; a capture id ending a non-final stage, served
+    or refused (``boundary.refusal_for``)."""
     spec = config.speculative_config
     if spec is None:
         plan.add("drafter", "none (no --speculative-config)")
@@ -146,11 +148,14 @@ def drafter_rows(plan: Plan, config, choice, num_layers) -> None:
 
         for rank in range(stages - 1):
             start, end = get_pp_indices(num_layers, rank, stages)
-            if end in taps.capture_ids:
-                plan.refusals.append(
-                    f"capture id {end} ends pipeline stage {rank} (layers [{start}, {end})): "
-                    "its consumer runs on the next stage; move the boundary "
-                    "(VLLM_PP_LAYER_PARTITION) or serve other capture ids")
+            if end not in taps.capture_ids:
+                continue
+            why = boundary.refusal_for(
+                over_pp=not rocm, compiled=served is not None and served.route == COMPILED)
+            if why is None:
+                plan.add("stage end", boundary.served_text(end, start, end))
+            else:
+                plan.refusals.append(boundary.refused_text(end, start, end, why))
 
 
 def declaration_row(spec) -> str:
@@ -162,14 +167,16 @@ def declaration_row(spec) -> str:
     if found is not None:
         return f"{found.value!r}, read from {found.where}"
     if spec.method in stream.NO_CHECKPOINT:
-        return f"none (the {spec.method} drafter's config, given inline, has no aux_hidden_stream)"
+        return (f"none (the {spec.method} drafter's config, given inline, has no "
+                "aux_hidden_stream)")
     draft = spec.draft_model_config
     path = checkpoint.locate(str(draft.model), getattr(draft, "revision", None))
     return f"none ({path} has no aux_hidden_stream)"
 
 
-def k3_rows(plan: Plan, config, environ) -> None:
-    """The stream, the route and the drafter for a K3 ``config`` (resolved)."""
+def k3_rows(plan: Plan, config, environ, rocm: bool) -> None:
+    """The stream, the route and the drafter for a K3 ``config`` (resolved for ROCm or
+    NVIDIA: ``rocm``)."""
     try:
         choice = stream.resolve(environ, config)
     except stream.REFUSALS as e:
@@ -189,7 +196,7 @@ def k3_rows(plan: Plan, config, environ) -> None:
         plan.add("route", f"{served.route}: {served.why}")
         plan.add("startup line", startup_line(served))
     num_layers = getattr(config.model_config.hf_text_config, "num_hidden_layers", None)
-    drafter_rows(plan, config, choice, num_layers)
+    drafter_rows(plan, config, choice, num_layers, served, rocm)
     loads, why = plugin_status(environ)
     plan.add("plugin", why)
     if choice.asked and not loads:
@@ -233,7 +240,7 @@ def run(argv: list[str], environ=os.environ) -> tuple[Plan, int]:
     if not set(arch) & set(K3_ARCHITECTURES):
         plan.add("K3", "not a Kimi K3 model: the plugin builds nothing and wraps nothing")
         return plan, 0
-    k3_rows(plan, config, environ)
+    k3_rows(plan, config, environ, kind == "rocm" if kind else current_platform.is_rocm())
     plan.add("not seen", UNSEEN.format(platform=resolved_for))
     return plan, 1 if plan.refusals else 0
 
