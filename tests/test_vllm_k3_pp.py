@@ -241,8 +241,8 @@ def counted_step(ids_cap, T):
 def test_vllm_k3_stage_end_capture_costs():
     """What capture 4 at stage [0, 4)'s end adds per step, against the same ids without it
     (T = 8, fp32, two stages): no AttnRes call (its consumer becomes
-    ``kimi::attn_res_capture``), one ``copy_`` (the fill) and one ``new_empty`` (the earlier
-    stage's slot), and one ``[T, H]`` slot sent between the stages. Printed for
+    ``kimi::attn_res_capture``), one ``copy_`` (the fill) and one ``new_full`` (the earlier
+    stage's slot, NaN until filled), and one ``[T, H]`` slot sent between the stages. Printed for
     BENCHMARKS.md (``-rP``). Stand-ins: see the module docstring; vLLM's kernel a
     counting ``kimi::attn_res``."""
     T = 8
@@ -254,7 +254,7 @@ def test_vllm_k3_stage_end_capture_costs():
     added = {op: calls.aten.count(op) - base_calls.aten.count(op)
              for op in set(calls.aten) | set(base_calls.aten)}
     added = {op: n for op, n in added.items() if n}
-    assert added == {"copy_": 1, "new_empty": 1}, added
+    assert added == {"copy_": 1, "new_full": 1}, added
     extra = [a - b for a, b in zip(sent, base_sent, strict=True)]
     assert extra == [T * SPEC.hidden * 4], extra
     print(f"boundary capture, T={T}, H={SPEC.hidden}, fp32, 2 stages: AttnRes calls "

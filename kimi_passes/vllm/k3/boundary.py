@@ -18,8 +18,9 @@ Invariants (vLLM 0.33.0, 0.34.0, NVIDIA: ``supports_aux_hidden_states_over_pp``)
 
 - the earlier stage packs, at the slot vLLM's mixin gives id ``k`` (``_aux_slot_base_cached``
   counts ids ``<= start_layer`` upstream, ``bisect_right``; the runner's slot reservation
-  and relay keys count it the same way), a ``[T, H]`` ``new_empty``: no kernel; its bytes
-  are never read;
+  and relay keys count it the same way), a ``[T, H]`` of NaN (one fill kernel): a slot no
+  next stage fills (that node without the route) reaches the drafter as NaN, never as a
+  plausible stream;
 - the stage owning layer ``k`` expects its first layer's consumer call
   (``Captures.expect_into``) to write the mixture into the received slot
   (``copy_``, one ``[T, H]`` write, CUDA-graph safe: the runner's persistent buffer).
@@ -98,14 +99,14 @@ def crosses(model, capture_id: int, is_last_rank: bool) -> bool:
 
 
 def placeholder(model, capture_id: int, prefix_sum: torch.Tensor) -> torch.Tensor:
-    """The earlier stage's slot for boundary id ``capture_id``: ``[T, H]``, never read (the
-    next stage overwrites it). Traced by Dynamo (a compiled route) or on a refused stage:
-    the refusal."""
+    """The earlier stage's slot for boundary id ``capture_id``: ``[T, H]`` of NaN, which
+    the next stage overwrites (unfilled, it is loud). Traced by Dynamo (a compiled route)
+    or on a refused stage: the refusal."""
     # A RuntimeError, not AuxCaptureError: Dynamo cannot construct the latter in a trace.
     why = COMPILED_WHY if torch.compiler.is_compiling() else refusal(model)
     if why is not None:
         raise RuntimeError(refused_text(capture_id, model.start_layer, model.end_layer, why))
-    return prefix_sum.new_empty(prefix_sum.shape)
+    return prefix_sum.new_full(prefix_sum.shape, float("nan"))
 
 
 def refused_text(capture_id: int, start: int, end: int, why: str) -> str:
