@@ -142,8 +142,22 @@ def test_vllm_k3_refusals_name_the_fix():
     """The specialized decode executor, and sequence parallelism compiled, are refused;
     sequence parallelism in eager is served."""
     config, env = resolved({}, None, extra={"decode_backend": "latency_specialized"})
-    with pytest.raises(VllmRouteError, match="specialized decode.*Drop decode_backend"):
+    with pytest.raises(VllmRouteError, match=(
+            r"specialized decode.*CuTe AttnRes kernels, whose aux variants \(bind_aux\) store "
+            r"the running prefix.*Drop decode_backend .*or keep the specialized decode with a "
+            r"drafter trained on the prefix stream")):
         plan_for(config, env)
+    # The reason, as vLLM's installed code states it: its narrow steps' AttnRes kernels
+    # store the prefix for an aux layer, and it refuses its own aux-stream flag there.
+    import inspect
+
+    from vllm.models.kimi_k3.nvidia.specialized_decode import runtime
+    from vllm.models.kimi_k3.nvidia.specialized_decode.cutedsl.attn_res import prepared
+
+    assert "store the updated prefix rows" in inspect.getdoc(prepared.PreparedAttnRes.bind_aux)
+    unsupported = inspect.getsource(runtime.unsupported)
+    assert "envs.VLLM_KIMI_K3_AUX_ATTN_RES_STREAM" in unsupported
+    assert '"the AttnRes aux stream"' in unsupported
     config, env = resolved(STOCK, "0")
     with pytest.raises(VllmRouteError, match="sequence parallelism.*Drop the -cc"):
         plan_for(config, env, sp=True)

@@ -39,8 +39,10 @@ class KimiPassConfig:
     aux_stream: str = _option(
         "attn_res",
         '`"attn_res"` (each tap reads the pre-norm mixture its consumer reads) or `"prefix"` '
-        "(the legacy running prefix); resolved once, in order: this option, "
-        "`$KIMI_PASSES_AUX_STREAM`, the drafter config's `aux_hidden_stream`, `\"attn_res\"`",
+        "(the legacy running prefix); resolved once: this option wins; else "
+        "`$KIMI_PASSES_AUX_STREAM` and the drafter config's `aux_hidden_stream`, which must "
+        "agree unless `$KIMI_PASSES_AUX_STREAM_AB=1` (an A/B run: the variable's, warned); "
+        "else `\"attn_res\"`",
         shown="resolved")
     drafter: DrafterTaps | None = _option(
         None,

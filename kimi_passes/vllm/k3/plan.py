@@ -40,6 +40,17 @@ FULLGRAPH_NOTE = (
     "has the stream too")
 
 
+SPECIALIZED_WHY = (
+    "vLLM's K3 specialized decode executor (additional_config "
+    "decode_backend=latency_specialized) runs its own decode steps on vLLM's CuTe AttnRes "
+    "kernels, whose aux variants (bind_aux) store the running prefix, not the mixture, and "
+    "no Python call is left to route; vLLM refuses its own aux-stream flag there too "
+    "(\"Kimi K3 specialized decode does not support the AttnRes aux stream\")")
+SPECIALIZED_FIX = (
+    "Drop decode_backend (vLLM's stock decode, eager, serves the stream), or keep the "
+    "specialized decode with a drafter trained on the prefix stream")
+
+
 @dataclasses.dataclass(frozen=True)
 class ServingPlan:
     """How the stream is served: ``route`` ``eager`` (``eager``) or ``compiled``."""
@@ -93,10 +104,7 @@ def serving_plan(vllm_config, *, stream: str | StreamChoice,
     if choice.stream != "attn_res":
         return plan(route, f"stream {choice.stream!r}: vLLM's own aux states")
     if decode == "latency_specialized":
-        raise _refuse(choice, "vLLM's K3 specialized decode executor "
-                      "(additional_config decode_backend=latency_specialized) runs its own "
-                      "decode loop and captures the running prefix",
-                      "Drop decode_backend (vLLM's stock decode serves the stream)")
+        raise _refuse(choice, SPECIALIZED_WHY, SPECIALIZED_FIX)
     if route == EAGER:
         return plan(EAGER, _eager_why(mode, graphs))
     return plan(COMPILED, _compiled_why(choice, cc, sequence_parallel))
