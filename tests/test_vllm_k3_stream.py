@@ -298,11 +298,22 @@ def test_vllm_k3_speculators_drafter_declares_from_its_file(drafters, fmt):
                                    f"{declared!r}"), plan.source
 
 
-def test_vllm_k3_speculators_peagle_is_vllms_refusal(drafters):
-    """P-EAGLE's speculators layout: vLLM itself refuses it, before any code of ours."""
+def test_vllm_k3_speculators_peagle_is_vllms_to_decide(drafters):
+    """P-EAGLE's speculators layout: vLLM 0.34.0 refuses it itself, before any code of
+    ours; 0.33.0 serves it as method ``eagle``, which it feeds no aux states, so nothing
+    reads the declaration and vLLM's default stays."""
+    from kimi_passes.vllm import versions
+
     folder = speculators_folder(drafters, "peagle", "attn_res")
-    with pytest.raises(ValueError, match="P-EAGLE .* is not supported"):
-        served_config(str(folder))
+    if versions.release(versions.installed_version())[:2] == (0, 34):
+        with pytest.raises(ValueError, match="P-EAGLE .* is not supported"):
+            served_config(str(folder))
+        return
+    config = served_config(str(folder))
+    assert config.speculative_config.method == "eagle"
+    assert not versions.drafter_reads_aux(config.speculative_config)
+    with k3_process(config) as model:
+        assert model._kimi_passes_plan.source == "vLLM's default (no source asks for a stream)"
 
 
 def test_vllm_k3_declaration_places_and_unreadable_file(drafters):
