@@ -22,7 +22,6 @@ import contextlib
 import dataclasses
 import importlib.util
 import json
-import logging
 import os
 import re
 import types
@@ -40,6 +39,7 @@ from helpers.vllm_harness import (  # noqa: E402
     resolved_k3,
     speculative_config,
     start_route,
+    vllm_log_records,
 )
 from helpers.vllm_truth import FlagOnTruth, assert_aux  # noqa: E402
 
@@ -262,24 +262,6 @@ def test_vllm_k3_stage_end_capture_costs():
           f"sent per hop {sent} (without it {base_sent}): +{extra[0]} = T*H*4")
 
 
-@contextlib.contextmanager
-def vllm_log_lines():
-    """The lines logged to vLLM's logger tree (the one vLLM's logging config prints, at
-    INFO in a server)."""
-    lines: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda r: lines.append(r.getMessage())  # type: ignore[method-assign]
-    vllm_log = logging.getLogger("vllm")
-    level = vllm_log.level
-    vllm_log.addHandler(handler)
-    vllm_log.setLevel(logging.INFO)
-    try:
-        yield lines
-    finally:
-        vllm_log.removeHandler(handler)
-        vllm_log.setLevel(level)
-
-
 def test_vllm_k3_stage_end_capture_refused_where_not_served():
     """ROCm (vLLM's ROCm K3 relays no aux states), the compiled plan
     (``STOCK_TORCH_COMPILE``, ``backend='kimi'``) and a Dynamo trace of vLLM's K3 stage
@@ -290,8 +272,9 @@ def test_vllm_k3_stage_end_capture_refused_where_not_served():
         with pytest.raises(RuntimeError, match=(
                 r"capture id 4 ends pipeline stage \[0, 4\).*ROCm K3 returns no aux states")):
             h.build(SPEC, w, (0, 4), amd=True, start=0, end=4, pp=stage)
-        with vllm_log_lines() as lines:
+        with vllm_log_records() as records:
             model = h.build(SPEC, w, (0, 4), start=0, end=4, pp=stage)
+        lines = [r.getMessage() for r in records]
         assert any(re.match(r"kimi_passes: aux capture id 4 ends pipeline stage \[0, 4\): "
                             "served", line) for line in lines), lines
         config, env = resolved_k3({"mode": 1, "backend": "kimi"}, "0")

@@ -31,7 +31,7 @@ if importlib.util.find_spec("vllm") is None:  # test_vllm_required.py fails on C
 
 import torch  # noqa: E402
 from helpers.op import OP_TOL  # noqa: E402
-from helpers.vllm_harness import load_vllm_plugins  # noqa: E402
+from helpers.vllm_harness import load_vllm_plugins, vllm_log_records  # noqa: E402
 
 import kimi_passes.graphs.vllm_k3 as h  # noqa: E402
 import kimi_passes.vllm.k3.route as route  # noqa: E402
@@ -100,16 +100,19 @@ def engine(drafters):
     def config(method: str, declared: str, *extra: str, **env):
         key = (method, declared, extra, tuple(sorted(env.items())))
         if key not in built:
-            with environ(**{**CLEAN, "HF_HUB_OFFLINE": "1", "VLLM_USE_V2_MODEL_RUNNER": "1",
-                            **env}):
-                try:
-                    built[key] = command.engine_config(
-                        serve_args(method, declared, tmp, *extra), "cuda")
-                finally:
-                    route.unroute_attn_res()  # vLLM may have loaded our plugin
+            built[key] = resolved(serve_args(method, declared, tmp, *extra), **env)
         return built[key]
 
     return config
+
+
+def resolved(args: list[str], **env):
+    """vLLM's resolved ``VllmConfig`` for ``vllm serve args`` on a CUDA stand-in, offline."""
+    with environ(**{**CLEAN, "HF_HUB_OFFLINE": "1", "VLLM_USE_V2_MODEL_RUNNER": "1", **env}):
+        try:
+            return command.engine_config(args, "cuda")
+        finally:
+            route.unroute_attn_res()  # vLLM may have loaded our plugin
 
 
 @contextlib.contextmanager
@@ -159,20 +162,14 @@ def test_vllm_k3_a_drafter_declaring_attn_res_gets_the_mixture(engine):
     T, spec, ids = 4, h.Spec(), (0, 2, 3, 5, 6)
     with h.with_own_attn_res(h.vllm_attn_res(), h.vllm_amd_attn_res()), h.flag(True):
         want = h.aux_of(h.call(h.build(spec, h.weights(spec), ids), h.token_ids(spec, T)))
-    calls, lines = h.Calls(), []
+    calls = h.Calls()
     own = calls.wrap(h.vllm_attn_res())
-    handler = logging.Handler()
-    handler.emit = lines.append  # type: ignore[method-assign]
-    vllm_log = logging.getLogger("vllm")  # the tree vLLM's logging config prints
-    vllm_log.addHandler(handler)
-    try:
-        with h.with_own_attn_res(own, own), k3_process(engine("dflash", "attn_res")) as init:
-            assert init._kimi_passes_plan.stream == "attn_res"
-            model = h.build(spec, h.weights(spec), ids)
-            with calls:
-                got = h.aux_of(h.call(model, h.token_ids(spec, T)))
-    finally:
-        vllm_log.removeHandler(handler)
+    with vllm_log_records() as lines, h.with_own_attn_res(own, own), \
+            k3_process(engine("dflash", "attn_res")) as init:
+        assert init._kimi_passes_plan.stream == "attn_res"
+        model = h.build(spec, h.weights(spec), ids)
+        with calls:
+            got = h.aux_of(h.call(model, h.token_ids(spec, T)))
     assert any(r.getMessage().startswith("kimi_passes: aux stream attn_res (from the dflash")
                for r in lines), "the startup line did not reach vLLM's logger"
     assert calls.kimi == ["attn_res_capture"] * 4 and "pure" not in calls.own, calls.kimi
@@ -266,13 +263,9 @@ def speculators_folder(tmp: Path, fmt: str, declared: str | None, **places) -> P
 
 
 def served_config(model: str, **spec):
-    with environ(**{**CLEAN, "HF_HUB_OFFLINE": "1", "VLLM_USE_V2_MODEL_RUNNER": "1"}):
-        try:
-            return command.engine_config(
-                [str(K3), "--speculative-config",
-                 json.dumps({"model": model, "num_speculative_tokens": 3, **spec})], "cuda")
-        finally:
-            route.unroute_attn_res()
+    """``resolved`` for K3 serving the drafter ``model`` (``spec``: more of its config)."""
+    return resolved([str(K3), "--speculative-config",
+                     json.dumps({"model": model, "num_speculative_tokens": 3, **spec})])
 
 
 @pytest.mark.parametrize("fmt", list(DETECTED))
@@ -405,15 +398,9 @@ def test_vllm_k3_ab_switch(drafters, capsys):
             + f".*set \\${AB_VAR}=1"):
         with k3_process(config, **{ENV_VAR: "prefix"}):
             pass
-    lines: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = lines.append  # type: ignore[method-assign]
-    logging.getLogger("vllm").addHandler(handler)
-    try:
-        with k3_process(config, **{ENV_VAR: "prefix", AB_VAR: "1"}) as model:
-            plan = model._kimi_passes_plan
-    finally:
-        logging.getLogger("vllm").removeHandler(handler)
+    with vllm_log_records() as lines, \
+            k3_process(config, **{ENV_VAR: "prefix", AB_VAR: "1"}) as model:
+        plan = model._kimi_passes_plan
     assert plan.stream == "prefix" and "overriding the dflash drafter's config" in plan.source
     [warning] = [r.getMessage() for r in lines if r.levelno == logging.WARNING
                  and "A/B run" in r.getMessage()]

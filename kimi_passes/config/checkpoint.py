@@ -48,9 +48,7 @@ def load_draft_config(draft_config) -> dict:
     """A drafter config as a dict: given as a dict, a config.json path, or its folder."""
     if isinstance(draft_config, dict):
         return draft_config
-    path = Path(draft_config)
-    if path.is_dir():
-        path = path / "config.json"
+    path = _config_path(Path(draft_config))
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError as e:

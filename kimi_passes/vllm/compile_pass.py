@@ -84,6 +84,9 @@ class KimiVllmPass(InductorPass):
         self.config = KimiPassConfig() if config is None else config
         self.serve_drafter = serve_drafter
         self.manager: KimiPassManager = pass_manager(self.config)
+        #: The speculative config whose drafter's declaration was last checked (read once
+        #: per config, not at each of vLLM's ``uuid()`` and piece calls).
+        self._declaration_checked: object = _UNCHECKED
 
     @property
     def aux_stream(self) -> str:
@@ -96,7 +99,10 @@ class KimiVllmPass(InductorPass):
         drafter = served_drafter()
         if drafter != getattr(self.manager.config, "drafter", None):
             self.manager = pass_manager(self.config.with_drafter(drafter))
-        _check_declaration(self.aux_stream)
+        spec = getattr(get_current_vllm_config_or_none(), "speculative_config", None)
+        if spec is not self._declaration_checked:
+            _check_declaration(self.aux_stream, spec)
+            self._declaration_checked = spec
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         self._sync_drafter()
@@ -146,18 +152,15 @@ def served_drafter() -> DrafterTaps | None:
         source=f"vLLM serves ({method}: speculative_config.draft_model_config.hf_config)")
 
 
-def _check_declaration(stream: str) -> None:
-    """The served drafter's declared stream (read from its checkpoint, as the K3 route
-    reads it) against ``stream``: refused unless an A/B run, which is warned once."""
-    config = get_current_vllm_config_or_none()
-    spec = getattr(config, "speculative_config", None)
+def _check_declaration(stream: str, spec) -> None:
+    """The declared stream of ``spec``'s drafter (read from its checkpoint, as the K3 route
+    reads it) against ``stream``: refused unless an A/B run, which is warned."""
     warning = check_fixed(stream, "this KimiVllmPass", k3_stream.drafter(spec))
-    if warning and warning not in _WARNED:
-        _WARNED.add(warning)
+    if warning:
         log.warning("%s", warning)
 
 
-_WARNED: set[str] = set()
+_UNCHECKED = object()
 
 
 def _splitting_ops() -> tuple[str, ...] | None:

@@ -31,7 +31,9 @@ import os
 # (``main``) whose environment does not say (tests/conftest.py sets it under pytest).
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
+import contextlib  # noqa: E402
 import json  # noqa: E402
+import logging  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -398,3 +400,21 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+@contextlib.contextmanager
+def vllm_log_records():
+    """The records logged to vLLM's logger tree (``vllm``: the one vLLM's logging config
+    prints, at INFO in a server) while the block runs."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    vllm_log = logging.getLogger("vllm")
+    level = vllm_log.level
+    vllm_log.addHandler(handler)
+    vllm_log.setLevel(logging.INFO)
+    try:
+        yield records
+    finally:
+        vllm_log.removeHandler(handler)
+        vllm_log.setLevel(level)
