@@ -54,6 +54,8 @@ COMPILED_WHY = ("the compiled route compiles each stage's graph alone: the captu
                 "consumer is the next stage's graph, and the kimi pass cannot write the "
                 "slot that graph receives (a graph input); drop the -cc mode (the eager "
                 "route serves it)")
+
+
 class Captures(Protocol):
     """What this module uses of ``eager.Captures`` (which imports this module)."""
 
